@@ -1,0 +1,68 @@
+import pytest
+
+from cluster.config import ClusterConfig, ClusterConfigError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cluster.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_yaml_with_defaults(tmp_path):
+    cfg = ClusterConfig.from_yaml(write(tmp_path, "model: /models/llama\nreplicas: {min: 2, max: 4}\n"))
+    assert cfg.model.name == "llama" and cfg.served_model_name == "llama"
+    assert (cfg.replicas.min, cfg.replicas.max) == (2, 4)
+    assert cfg.replicas.gpus_per_replica == 8 and cfg.replicas.tp == 8
+    assert cfg.engine == "auto" and cfg.ray.address is None
+    assert cfg.router.port == 50051
+
+
+def test_tensor_parallel_defaults_to_gpus_and_must_divide_them():
+    assert ClusterConfig.parse({"model": "m", "replicas": {"gpus_per_replica": 4}}).replicas.tp == 4
+    assert ClusterConfig.parse({"model": "m", "replicas": {"tensor_parallel_size": 4}}).replicas.tp == 4
+    with pytest.raises(ClusterConfigError, match=r"replicas: tensor_parallel_size \(3\) must divide gpus_per_replica \(8\)"):
+        ClusterConfig.parse({"model": "m", "replicas": {"tensor_parallel_size": 3}})
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"model": "m", "replicas": {"min": 3, "max": 2}}, r"replicas: min \(3\) is larger than max \(2\)"),
+    ({"model": "m", "replicas": {"gpus_per_replica": -1}}, r"replicas.gpus_per_replica: .*greater than or equal to 0"),
+    ({"model": "m", "engine": "tpu"}, r"engine: Input should be 'auto', 'reference', 'monokernel' or 'paced'"),
+    ({"model": "m", "router": {"port": 70000}}, r"router.port: .*less than or equal to 65535"),
+    ({"model": "m", "autoscaling": {"scale_up_afer_s": 3}}, r"autoscaling.scale_up_afer_s: unknown setting"),
+    ({}, r"model is required"),
+    ({"model": "m", "engine": "monokernel", "replicas": {"gpus_per_replica": 0}}, r"needs GPUs"),
+])
+def test_bad_values_name_the_field(data, expected):
+    with pytest.raises(ClusterConfigError, match=expected):
+        ClusterConfig.parse(data)
+
+
+def test_paced_engine_needs_no_model():
+    assert ClusterConfig.parse({"engine": "paced"}).served_model_name == "paced"
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ClusterConfigError, match="cannot read cluster config"):
+        ClusterConfig.from_yaml(tmp_path / "missing.yaml")
+    with pytest.raises(ClusterConfigError, match="not valid YAML"):
+        ClusterConfig.from_yaml(write(tmp_path, "model: [unclosed\n"))
+    with pytest.raises(ClusterConfigError, match="expected a mapping"):
+        ClusterConfig.from_yaml(write(tmp_path, "- a\n- b\n"))
+
+
+def test_overrides_revalidate():
+    cfg = ClusterConfig.parse({"model": "m"})
+    assert cfg.with_overrides(**{"ray.address": "auto", "router.port": None}).ray.address == "auto"
+    with pytest.raises(ClusterConfigError, match="replicas: min"):
+        cfg.with_overrides(**{"replicas.min": 5})
+
+
+def test_shipped_example_configs_are_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "deploy").glob("cluster*.yaml"))
+    for f in files:
+        ClusterConfig.from_yaml(f)
