@@ -1,0 +1,57 @@
+"""Choosing the next token from logits on the host (numpy): greedy, temperature, top-k, top-p.
+
+`sample` is the reference semantics every engine's sampler is compared against:
+- greedy (temperature 0 or top_k 1): argmax, ties broken towards the lowest token id;
+- otherwise logits / temperature, keep the top_k most likely (0 = all), then the smallest
+  prefix (most likely first) whose probability mass reaches top_p (always at least one token),
+  renormalise, and draw once from a seeded counter-based generator (Philox), so the same seed
+  reproduces the same sequence of tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replicas.engine import SamplingParams
+
+
+def make_rng(seed: int | None) -> np.random.Generator:
+    """A Philox generator: `seed` reproduces the draws; None takes fresh OS entropy."""
+    return np.random.Generator(np.random.Philox(seed))
+
+
+def candidate_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (most likely first, ties by lowest id) and their renormalised probabilities
+    after temperature, top-k and top-p. Both 1-D and of equal length (>= 1)."""
+    scaled = np.asarray(logits, dtype=np.float64) / params.temperature  # float64: exp() stays exact enough
+    k = params.top_k if 0 < params.top_k < scaled.size else scaled.size
+    if k < scaled.size:
+        # Only the top k need a full sort; argpartition finds them in O(vocab).
+        part = np.argpartition(-scaled, k - 1)[:k]
+        ids = part[np.lexsort((part, -scaled[part]))]  # by logit desc, then id asc
+    else:
+        ids = np.argsort(-scaled, kind="stable")  # stable => equal logits keep id order
+    top = scaled[ids]
+    probs = np.exp(top - top[0])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cum = np.cumsum(probs)
+        # Smallest prefix with mass >= top_p; searchsorted gives its last index. The clamp keeps
+        # at least one token and guards rounding when top_p is ~1.
+        keep = min(int(np.searchsorted(cum, params.top_p, side="left")) + 1, ids.size)
+        ids, probs = ids[:keep], probs[:keep] / cum[keep - 1]
+    return ids, probs
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Pick one token id from `logits` [vocab] (float32) according to `params`."""
+    if params.greedy:
+        return int(np.argmax(logits))  # argmax returns the first (lowest) id among ties
+    ids, probs = candidate_probs(logits, params)
+    if ids.size == 1:
+        rng.random()  # still consume one draw so the stream stays aligned across steps
+        return int(ids[0])
+    # Inverse CDF with one uniform draw per token: cheap and reproducible for a given seed.
+    u = rng.random()
+    idx = int(np.searchsorted(np.cumsum(probs), u, side="right"))
+    return int(ids[min(idx, ids.size - 1)])
