@@ -29,6 +29,10 @@ class InvalidRequest(EngineError, ValueError):
     """The request cannot be served as given (bad prompt, bad sampling values, too long)."""
 
 
+class EngineBusy(RuntimeError):
+    """All of the engine's generation slots (max_batch) are taken; retry when one frees."""
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # an EOS id or a stop token id was sampled
     LENGTH = "length"  # max_tokens reached, or the context window is full

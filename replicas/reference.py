@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.engine import (
+from replicas.engine import (  # EngineBusy re-exported: callers may import it from here
+    EngineBusy,
     FinishReason,
     Generation,
     InvalidRequest,
@@ -31,10 +32,6 @@ from replicas.model import ModelConfig
 from replicas.sampling import make_rng, sample
 
 PREFILL_CHUNK = 512  # prompt tokens per batched pass; bounds the [H, n, T] score buffer
-
-
-class EngineBusy(RuntimeError):
-    """All of the engine's generation slots (max_batch) are taken; retry when one frees."""
 
 
 @dataclass
