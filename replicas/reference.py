@@ -32,6 +32,7 @@ from replicas.model import ModelConfig
 from replicas.sampling import make_rng, sample
 
 PREFILL_CHUNK = 512  # prompt tokens per batched pass; bounds the [H, n, T] score buffer
+KV_FIRST_ROWS = 256  # decode rows reserved up front; the cache doubles when they run out
 
 
 @dataclass
@@ -51,13 +52,29 @@ class LayerWeights:
 
 
 class KVCache:
-    """Keys and values of one sequence, preallocated for its whole length."""
+    """Keys and values of one sequence. Preallocated; grows by doubling (up to `limit` rows) so
+    a long max_tokens does not reserve the whole context window up front."""
 
-    def __init__(self, config: ModelConfig, capacity: int):
+    def __init__(self, config: ModelConfig, capacity: int, limit: int | None = None):
         shape = (config.num_hidden_layers, capacity, config.num_key_value_heads, config.head_dim)
         self.k = np.zeros(shape, np.float32)  # k_cache: [layers, seq, KV, D] f32 (after RoPE)
         self.v = np.zeros(shape, np.float32)  # v_cache: [layers, seq, KV, D] f32
+        self.limit = max(limit or capacity, capacity)
         self.length = 0  # positions filled so far
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` positions (rows <= limit)."""
+        have = self.k.shape[1]
+        if rows <= have:
+            return
+        if rows > self.limit:
+            raise RuntimeError(f"KV cache asked for {rows} rows beyond its limit of {self.limit}")
+        grown = min(max(2 * have, rows), self.limit)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], grown, *old.shape[2:]), np.float32)
+            new[:, :self.length] = old[:, :self.length]
+            setattr(self, name, new)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -173,6 +190,7 @@ class ReferenceEngine:
     def _forward(self, ids: Sequence[int], cache: KVCache, all_logits: bool) -> np.ndarray:
         """Run new tokens `ids` after the cache's contents; logits [n or 1, V] f32."""
         start = cache.length
+        cache.reserve(start + len(ids))
         h = self.embed[np.asarray(ids, dtype=np.int64)]  # [n, hidden]
         for li in range(len(self.layers)):
             h = self._layer(li, h, cache, start)
@@ -233,7 +251,8 @@ class ReferenceEngine:
             rng = make_rng(params.seed)
             budget = min(params.max_tokens, self.max_context - len(ids))  # tokens we may emit
             # The last emitted token is never fed back, so the cache needs len + budget - 1 rows.
-            cache = KVCache(self.config, len(ids) + budget - 1)
+            needed = len(ids) + budget - 1
+            cache = KVCache(self.config, min(needed, len(ids) + KV_FIRST_ROWS), limit=needed)
             if cancel.is_set():
                 return FinishReason.CANCELLED, None
             logits = self._prefill(ids, cache, all_logits=False)[0]  # [V]

@@ -65,6 +65,12 @@ def test_chunked_prefill_equals_one_pass(engine, monkeypatch):
     np.testing.assert_allclose(engine.forward_logits(ids), one_pass, rtol=0, atol=1e-5 * np.abs(one_pass).max())
 
 
+def test_kv_cache_growth_keeps_decode_exact(engine, monkeypatch):
+    expected, _ = greedy(engine, max_tokens=40)
+    monkeypatch.setattr(reference, "KV_FIRST_ROWS", 3)  # forces several doublings mid-decode
+    assert greedy(engine, max_tokens=40)[0] == expected
+
+
 def test_seeded_sampling_reproduces_and_seeds_differ(engine):
     def run(seed):
         return greedy(engine, temperature=1.5, top_p=0.95, seed=seed)[0]
