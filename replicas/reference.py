@@ -99,7 +99,7 @@ class ReferenceEngine:
         self.max_batch = max_batch
         self.max_context = config.max_context
         c = config
-        f32 = lambda name: np.ascontiguousarray(weights[name], dtype=np.float32)  # noqa: E731
+        f32 = lambda name: np.ascontiguousarray(weights[name], dtype=np.float32)
         self.embed = f32("model.embed_tokens.weight")  # [V, hidden]
         # lm_head: [V, hidden]; tied models reuse the embedding matrix.
         self.lm_head = self.embed if c.tie_word_embeddings else f32("lm_head.weight")
@@ -125,7 +125,7 @@ class ReferenceEngine:
         self._active = 0  # generations currently holding a slot
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, max_batch: int = 1) -> "ReferenceEngine":
+    def from_pretrained(cls, path: str | Path, max_batch: int = 1) -> ReferenceEngine:
         """Load a Hugging Face checkpoint directory (bf16/fp16/fp32 weights, upcast to fp32)."""
         config = ModelConfig.from_pretrained(path)
         return cls(config, _load_weights(Path(path), config), max_batch=max_batch)
@@ -229,7 +229,7 @@ class ReferenceEngine:
         gen = _SlotGeneration(lambda cancel: self._steps(ids, params, cancel, slot), slot)
         return gen
 
-    def _take_slot(self) -> "_Slot":
+    def _take_slot(self) -> _Slot:
         with self._slots_lock:
             if self._active >= self.max_batch:
                 raise EngineBusy(
@@ -244,7 +244,7 @@ class ReferenceEngine:
             self._active -= 1
 
     def _steps(self, ids: list[int], params: SamplingParams, cancel: threading.Event,
-               slot: "_Slot") -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
+               slot: _Slot) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
         """The decode loop: prefill, then sample / yield / feed back one token per step."""
         try:
             stops = stop_ids(self.config, params)

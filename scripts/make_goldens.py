@@ -153,14 +153,14 @@ def main() -> None:
     lines = [
         "# Oracle goldens (generated, do not edit)",
         "",
-        "Written by `scripts/make_goldens.py` with "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__} "
-        "(CPU, fp32, eager attention). Regenerate with",
+        ("Written by `scripts/make_goldens.py` with "
+         f"torch {torch.__version__}, transformers {transformers.__version__}, numpy {np.__version__} "
+         "(CPU, fp32, eager attention). Regenerate with"),
         "`/work/oracle-venv/bin/python scripts/make_goldens.py`; checked by `tests/test_oracle.py`.",
         "",
-        f"Each directory is a `save_pretrained` checkpoint (fp32) plus `golden.npz`: a {PROMPT_LEN}-token "
-        f"random prompt, HF's {NEW_TOKENS}-token greedy continuation (EOS disabled) and HF's teacher-forced "
-        "logits over prompt + continuation[:-1].",
+        (f"Each directory is a `save_pretrained` checkpoint (fp32) plus `golden.npz`: a {PROMPT_LEN}-token "
+         f"random prompt, HF's {NEW_TOKENS}-token greedy continuation (EOS disabled) and HF's teacher-forced "
+         "logits over prompt + continuation[:-1]."),
         "",
         "| case | covers |",
         "|---|---|",
