@@ -1,0 +1,52 @@
+"""Prometheus metrics of one replica server, in its own registry (several servers per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latency buckets in seconds: sub-millisecond decode steps up to long prefills.
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TPOT_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1)
+
+# Values of the `outcome` label of monoserve_replica_requests_total.
+OUTCOMES = ("stop", "length", "cancelled", "aborted", "deadline", "invalid", "rejected", "unavailable", "error")
+
+
+class ReplicaMetrics:
+    """Counters, histograms and gauges the replica server updates; `serve(port)` exposes them."""
+
+    def __init__(self, replica_id: str, capacity: int):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"replica": replica_id}
+        r = self.registry
+        self.requests = Counter(
+            "monoserve_replica_requests", "Generate calls by outcome (stop, length, cancelled by the "
+            "client, aborted via Abort, deadline, invalid, rejected = no free slot, unavailable = "
+            "draining, error = engine failure).", ["outcome"], registry=r).labels  # noqa: E501
+        self.ttft = Histogram("monoserve_replica_ttft_seconds", "Time from request to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("monoserve_replica_tpot_seconds", "Time between consecutive output tokens.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.tokens = Counter("monoserve_replica_generated_tokens", "Output tokens streamed.", registry=r)
+        self.active_slots = Gauge("monoserve_replica_active_slots", "Generations running now.", registry=r)
+        self.capacity = Gauge("monoserve_replica_capacity", "Generation slots (engine max_batch).", registry=r)
+        self.aborts = Counter("monoserve_replica_aborts", "Abort RPCs that found their request.", registry=r)
+        self.draining = Gauge("monoserve_replica_draining", "1 while the replica refuses new requests.",
+                              registry=r)
+        info = Gauge("monoserve_replica_info", "Constant 1, labelled with the replica id.", ["replica"], registry=r)
+        info.labels(**labels).set(1)
+        self.capacity.set(capacity)
+        for outcome in OUTCOMES:  # export zeros so rates work from the start
+            self.requests(outcome)
+        self._http = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Expose /metrics on host:port (0 = any free port); returns the bound port."""
+        self._http, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,262 @@
+"""The `monoserve.v1.Replica` servicer: Generate, Abort, WatchLoad, GetInfo over one Engine.
+
+Threading: handlers run on the server's event loop; each generation iterates in a worker thread
+(the engine blocks), which hands every token to the loop with `call_soon_threadsafe` as soon as
+it exists — one chunk per token, nothing buffered. Slot accounting happens only on the loop
+(server_load.LoadTracker); a slot is freed when the worker has closed its generation, so the
+engine is really free when the next request is admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from replicas.engine import Engine, FinishReason, Generation, InvalidRequest, SamplingParams, validate_prompt
+from replicas.metrics import ReplicaMetrics
+from replicas.server_load import LoadTracker
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0  # WatchLoad re-sends the current load this often when nothing changes
+UNHEALTHY_AFTER = 3  # consecutive engine failures before readiness turns NOT_SERVING
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def sampling_from_proto(s: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto sampling -> engine SamplingParams; unset optional fields take engine defaults."""
+    for name in ("temperature", "top_p"):
+        if not math.isfinite(getattr(s, name)):
+            raise InvalidRequest(f"invalid sampling parameters: {name} must be a finite number, got {getattr(s, name)}")
+    kw: dict = dict(temperature=s.temperature, top_k=s.top_k, stop_token_ids=list(s.stop_token_ids),
+                    ignore_eos=s.ignore_eos)
+    for name in ("max_tokens", "top_p", "seed"):
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
+    return SamplingParams.parse(**kw)
+
+
+def _busy_error_type() -> tuple[type[BaseException], ...]:
+    """The reference engine's 'no free slot' error, if that engine is installed."""
+    try:
+        from replicas.reference import EngineBusy
+    except ImportError:
+        return ()
+    return (EngineBusy,)
+
+
+@dataclass
+class Running:
+    """A generation in flight: the loop-side view the handler, Abort and the worker share."""
+
+    request_id: str
+    queue: asyncio.Queue  # ("token", id, t) | ("done", gen) | ("error", exc) | ("invalid", msg)
+    generation: Generation | None = None
+    aborted: bool = False
+    cancel_requested: bool = False
+    started_at: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        if self.generation is not None:
+            self.generation.cancel()
+
+
+class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
+    def __init__(self, engine: Engine, load: LoadTracker, metrics: ReplicaMetrics, info: replica_pb2.GetInfoResponse,
+                 on_health_change=None):
+        self.engine = engine
+        self.load = load
+        self.metrics = metrics
+        self.info = info
+        self.running: dict[str, Running] = {}
+        self._ids = itertools.count(1)
+        self._executor = ThreadPoolExecutor(max_workers=engine.max_batch + 2, thread_name_prefix="replica-gen")
+        self._busy_errors = _busy_error_type()
+        self._failures = 0  # consecutive engine failures
+        self._on_health_change = on_health_change  # async callable(healthy: bool)
+
+    # ---- Generate ------------------------------------------------------------------------
+    async def Generate(self, request: replica_pb2.ReplicaGenerateRequest, context: grpc.aio.ServicerContext):
+        received = time.perf_counter()
+        try:
+            params = sampling_from_proto(request.sampling)
+            prompt = validate_prompt(request.prompt_token_ids, params, self.engine.config, self.engine.max_context)
+        except InvalidRequest as e:
+            self.metrics.requests("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        request_id = request.request_id or f"auto-{next(self._ids)}"
+        if request_id in self.running:
+            self.metrics.requests("invalid").inc()
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id {request_id!r} is already running on this replica; use a unique id")
+        if self.load.draining:
+            self.metrics.requests("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"replica {self.load.replica_id} is draining and admits no new requests; "
+                                "send it to another replica")
+        if not self.load.has_free_slot():
+            await self._reject_busy(context)
+
+        run = Running(request_id, asyncio.Queue(), started_at=received)
+        self.running[request_id] = run
+        self.load.admit(request_id, min(params.max_tokens, self.engine.max_context - len(prompt)))
+        self.metrics.active_slots.set(self.load.busy)
+        loop = asyncio.get_running_loop()
+        self._executor.submit(self._worker, loop, run, prompt, params)
+        try:
+            async for response in self._stream(run, len(prompt), context):
+                yield response
+        finally:
+            # client cancel, deadline, server stop or a normal end: the engine stops within a token
+            run.cancel()
+
+    async def _reject_busy(self, context) -> None:
+        self.metrics.requests("rejected").inc()
+        pushback = int(self.load.snapshot().expected_slot_free_ms) or 1
+        context.set_trailing_metadata((("grpc-retry-pushback-ms", str(pushback)),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"all {self.load.capacity} slots of replica {self.load.replica_id} are busy; "
+                            f"retry in about {pushback} ms or use another replica")
+
+    async def _stream(self, run: Running, prompt_tokens: int, context):
+        slot = self.load.slots[run.request_id]
+        first_at = last_at = None
+        outcome = "cancelled"
+        try:
+            while True:
+                kind, value, t = await run.queue.get()
+                if kind == "token":
+                    if first_at is None:
+                        first_at = t
+                        self.metrics.ttft.observe(t - run.started_at)
+                        self.load.observe_prefill(t - run.started_at, prompt_tokens)
+                    else:
+                        self.metrics.tpot.observe(t - last_at)
+                        self.load.observe_tpot(t - last_at)
+                    last_at = t
+                    slot.produced += 1
+                    self.metrics.tokens.inc()
+                    yield replica_pb2.ReplicaGenerateResponse(chunk=replica_pb2.ReplicaChunk(token_ids=[value]))
+                elif kind == "done":
+                    gen: Generation = value
+                    reason = _FINISH[gen.finish_reason or FinishReason.CANCELLED]
+                    outcome = "aborted" if run.aborted else gen.finish_reason.value
+                    yield replica_pb2.ReplicaGenerateResponse(final=self._final(
+                        gen, reason, prompt_tokens, slot.produced, run.started_at, first_at, last_at, t))
+                    return
+                elif kind == "invalid":
+                    outcome = "invalid"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, value)
+                elif kind == "busy":
+                    outcome = "rejected"
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, value)
+                else:  # "error": the engine failed; the router resumes elsewhere from the tokens it has
+                    outcome = "error"
+                    await context.abort(grpc.StatusCode.INTERNAL,
+                                        f"engine failed after {slot.produced} tokens: {value}")
+        finally:
+            if outcome == "cancelled" and context.time_remaining() is not None and context.time_remaining() <= 0:
+                outcome = "deadline"
+            self.metrics.requests(outcome).inc()
+
+    @staticmethod
+    def _final(gen, reason, prompt_tokens, produced, start, first_at, last_at, end) -> replica_pb2.ReplicaFinal:
+        ms = 1e3
+        timings = common_pb2.ServerTimings(
+            queue_ms=0.0,  # a replica admits at once or refuses
+            ttft_ms=(first_at - start) * ms if first_at else 0.0,
+            prefill_ms=(first_at - start) * ms if first_at else 0.0,
+            mean_tpot_ms=(last_at - first_at) * ms / (produced - 1) if produced > 1 else 0.0,
+            total_ms=(end - start) * ms,
+        )
+        final = replica_pb2.ReplicaFinal(
+            finish_reason=reason, timings=timings,
+            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=produced))
+        if gen.stop_token_id is not None:
+            final.stop_token_id = gen.stop_token_id
+        return final
+
+    def _worker(self, loop: asyncio.AbstractEventLoop, run: Running, prompt: list[int], params: SamplingParams):
+        """Runs in a worker thread: drive the engine, hand each token to the loop at once."""
+        def post(kind, value=None):
+            loop.call_soon_threadsafe(run.queue.put_nowait, (kind, value, time.perf_counter()))
+
+        gen = None
+        failed = False
+        try:
+            gen = self.engine.generate(prompt, params)
+            run.generation = gen
+            if run.cancel_requested:  # cancelled before the engine started
+                gen.cancel()
+            for token in gen:
+                post("token", token)
+            post("done", gen)
+        except InvalidRequest as e:
+            post("invalid", str(e))
+        except self._busy_errors as e:
+            post("busy", str(e))
+        except Exception as e:  # noqa: BLE001 - any engine failure becomes INTERNAL for the caller
+            failed = True
+            log.exception("engine failed during request %s", run.request_id)
+            post("error", f"{type(e).__name__}: {e}")
+        finally:
+            if gen is not None:
+                gen.close()
+            loop.call_soon_threadsafe(self._finished, run, failed)
+
+    def _finished(self, run: Running, failed: bool) -> None:
+        """On the loop, once the engine has let go of the generation: free the slot."""
+        self.running.pop(run.request_id, None)
+        self.load.release(run.request_id)
+        self.metrics.active_slots.set(self.load.busy)
+        self._failures = self._failures + 1 if failed else 0
+        healthy = self._failures < UNHEALTHY_AFTER
+        if healthy != self.load.healthy:
+            self.load.set_healthy(healthy)
+            if self._on_health_change is not None:
+                asyncio.ensure_future(self._on_health_change(healthy))
+
+    # ---- Abort, WatchLoad, GetInfo -------------------------------------------------------
+    async def Abort(self, request: replica_pb2.ReplicaAbortRequest, context) -> replica_pb2.ReplicaAbortResponse:
+        run = self.running.get(request.request_id)
+        if run is None:
+            return replica_pb2.ReplicaAbortResponse(found=False)
+        run.aborted = True
+        run.cancel()
+        self.metrics.aborts.inc()
+        return replica_pb2.ReplicaAbortResponse(found=True)
+
+    async def WatchLoad(self, request: replica_pb2.WatchLoadRequest, context):
+        while True:
+            changed = self.load.change_event  # before the snapshot: a change while we send is not lost
+            yield self.load.snapshot()
+            try:
+                await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
+            except asyncio.TimeoutError:
+                pass  # heartbeat: re-send the current load
+
+    async def GetInfo(self, request: replica_pb2.GetInfoRequest, context) -> replica_pb2.GetInfoResponse:
+        return self.info
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def cancel_all(self) -> None:
+        for run in list(self.running.values()):
+            run.cancel()
+
+    def shutdown(self) -> None:
+        self.cancel_all()
+        self._executor.shutdown(wait=True, cancel_futures=True)
