@@ -20,20 +20,38 @@ def make_rng(seed: int | None) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(seed))
 
 
+def _top_ids(scaled: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values, largest first, equal values by lowest id."""
+    if k >= scaled.size:
+        return np.argsort(-scaled, kind="stable")  # stable => equal logits keep id order
+    part = np.argpartition(-scaled, k - 1)[:k]  # O(vocab); only these k need sorting
+    return part[np.lexsort((part, -scaled[part]))]
+
+
 def candidate_probs(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (most likely first, ties by lowest id) and their renormalised probabilities
-    after temperature, top-k and top-p. Both 1-D and of equal length (>= 1)."""
+    """Token ids and their renormalised probabilities after temperature, top-k and top-p.
+
+    Both 1-D, equal length >= 1. With a top-k or top-p limit the ids come most likely first;
+    without any limit they are the whole vocabulary in id order (no sort needed to draw).
+    """
     scaled = np.asarray(logits, dtype=np.float64) / params.temperature  # float64: exp() stays exact enough
-    k = params.top_k if 0 < params.top_k < scaled.size else scaled.size
-    if k < scaled.size:
-        # Only the top k need a full sort; argpartition finds them in O(vocab).
-        part = np.argpartition(-scaled, k - 1)[:k]
-        ids = part[np.lexsort((part, -scaled[part]))]  # by logit desc, then id asc
+    vocab = scaled.size
+    if 0 < params.top_k < vocab:
+        ids = _top_ids(scaled, params.top_k)
+        probs = np.exp(scaled[ids] - scaled[ids[0]])
+        probs /= probs.sum()
     else:
-        ids = np.argsort(-scaled, kind="stable")  # stable => equal logits keep id order
-    top = scaled[ids]
-    probs = np.exp(top - top[0])
-    probs /= probs.sum()
+        weights = np.exp(scaled - scaled.max())  # unnormalised softmax over the whole vocabulary
+        total = weights.sum()
+        if params.top_p == 1.0:
+            return np.arange(vocab), weights / total
+        # Nucleus without top-k: the mass usually sits in a few tokens, so widen a partial
+        # top-k until it holds top_p of the mass instead of sorting the whole vocabulary.
+        width = 64
+        while width < vocab and weights[_top_ids(scaled, width)].sum() < params.top_p * total:
+            width *= 8
+        ids = _top_ids(scaled, width)
+        probs = weights[ids] / total
     if params.top_p < 1.0:
         cum = np.cumsum(probs)
         # Smallest prefix with mass >= top_p; searchsorted gives its last index. The clamp keeps

@@ -89,5 +89,19 @@ def test_sample_is_always_a_candidate(values, temperature, top_k, top_p, seed):
     ids, probs = candidate_probs(logits, params)
     assert 1 <= ids.size <= (top_k or logits.size)
     assert probs.sum() == pytest.approx(1.0)
-    assert logits[ids[0]] == logits.max()  # the most likely token always survives
+    assert int(np.argmax(logits)) in set(ids.tolist())  # the most likely token always survives
+    if 0 < top_k < logits.size or top_p < 1.0:
+        assert np.all(np.diff(probs) <= 1e-12)  # limited candidates come most likely first
     assert sample(logits, params, make_rng(seed)) in set(ids.tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
+def test_nucleus_on_a_large_vocab_equals_the_full_sort(top_p):
+    """The widening partial top-k must find exactly the nucleus a full sort finds."""
+    logits = (make_rng(9).standard_normal(50_000) * 2).astype(np.float32)
+    ids, probs = candidate_probs(logits, SamplingParams(temperature=0.8, top_p=top_p))
+    p = softmax(logits.astype(np.float64) / 0.8)
+    order = np.argsort(-p, kind="stable")
+    keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+    assert ids.tolist() == order[:keep].tolist()
+    np.testing.assert_allclose(probs, p[order[:keep]] / p[order[:keep]].sum(), rtol=1e-9)
