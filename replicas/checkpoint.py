@@ -27,7 +27,7 @@ from replicas.presets import GENERATION, PRESETS, TOKENIZER_STYLE
 from replicas.tokenizer_gen import write_tokenizer
 from replicas.weights import INDEX_FILE, SINGLE_FILE, expected_tensors
 
-__all__ = ["PRESETS", "make_checkpoint", "preset_config", "DTYPES"]
+__all__ = ["PRESETS", "make_checkpoint", "preset_config", "write_metadata", "DTYPES"]
 
 # --dtype spelling -> (safetensors tag, config.json torch_dtype, numpy dtype written)
 DTYPES = {
@@ -67,13 +67,8 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
     for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
         stale.unlink(missing_ok=True)  # a leftover single file would shadow new shards
 
-    tag, torch_dtype, np_dtype = DTYPES[dtype]
-    raw = dict(PRESETS[preset], torch_dtype=torch_dtype, transformers_version="4.46.0")
-    config = ModelConfig.from_hf_dict(raw, GENERATION[preset], source=f"preset {preset!r}")
-    _write_json(out / "config.json", raw)
-    _write_json(out / "generation_config.json", dict(GENERATION[preset], transformers_version="4.46.0"))
-    write_tokenizer(out, config.vocab_size, TOKENIZER_STYLE[preset], config.max_position_embeddings)
-
+    tag, _, np_dtype = DTYPES[dtype]
+    config = write_metadata(preset, out, dtype)
     tensors = expected_tensors(config)
     shards = _plan_shards(tensors, np_dtype.itemsize)
     total = sum(math.prod(s) for s in tensors.values()) * np_dtype.itemsize
@@ -98,6 +93,18 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
             "weight_map": {n: file for file, shard in zip(names, shards) for n in shard},
         })
     return out
+
+
+def write_metadata(preset: str, out_dir: str | Path, dtype: str = "bf16") -> ModelConfig:
+    """Write everything but the weights (configs, tokenizer) into an existing dir."""
+    _check_preset(preset)
+    out = Path(out_dir)
+    raw = dict(PRESETS[preset], torch_dtype=DTYPES[dtype][1], transformers_version="4.46.0")
+    config = ModelConfig.from_hf_dict(raw, GENERATION[preset], source=f"preset {preset!r}")
+    _write_json(out / "config.json", raw)
+    _write_json(out / "generation_config.json", dict(GENERATION[preset], transformers_version="4.46.0"))
+    write_tokenizer(out, config.vocab_size, TOKENIZER_STYLE[preset], config.max_position_embeddings)
+    return config
 
 
 def _check_preset(preset: str) -> None:
