@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
-from replicas.engine import Engine, FinishReason, Generation, InvalidRequest, SamplingParams, validate_prompt
+from replicas.engine import Engine, EngineBusy, FinishReason, Generation, InvalidRequest, SamplingParams, validate_prompt
 from replicas.metrics import ReplicaMetrics
 from replicas.server_load import LoadTracker
 
@@ -47,15 +47,6 @@ def sampling_from_proto(s: common_pb2.SamplingParams) -> SamplingParams:
         if s.HasField(name):
             kw[name] = getattr(s, name)
     return SamplingParams.parse(**kw)
-
-
-def _busy_error_type() -> tuple[type[BaseException], ...]:
-    """The reference engine's 'no free slot' error, if that engine is installed."""
-    try:
-        from replicas.reference import EngineBusy
-    except ImportError:
-        return ()
-    return (EngineBusy,)
 
 
 @dataclass
@@ -85,7 +76,6 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self.running: dict[str, Running] = {}
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(max_workers=engine.max_batch + 2, thread_name_prefix="replica-gen")
-        self._busy_errors = _busy_error_type()
         self._failures = 0  # consecutive engine failures
         self._on_health_change = on_health_change  # async callable(healthy: bool)
 
@@ -207,7 +197,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             post("done", gen)
         except InvalidRequest as e:
             post("invalid", str(e))
-        except self._busy_errors as e:
+        except EngineBusy as e:  # the engine's own slot count disagrees with ours: refuse, retryable
             post("busy", str(e))
         except Exception as e:  # noqa: BLE001 - any engine failure becomes INTERNAL for the caller
             failed = True

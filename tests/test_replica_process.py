@@ -1,0 +1,118 @@
+"""The replica server with the reference engine on a real checkpoint, and as a separate process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+from replicas.engine import SamplingParams
+from replicas.server import ReplicaServer
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [1, 17, 42, 99, 7]
+
+
+def collect(stream):
+    tokens, final = [], None
+    for msg in stream:
+        if msg.HasField("chunk"):
+            tokens.extend(msg.chunk.token_ids)
+        else:
+            final = msg.final
+    return tokens, final
+
+
+@pytest.fixture(scope="module")
+def reference_replica(tiny_checkpoint):
+    from replicas.reference import ReferenceEngine
+
+    engine = ReferenceEngine.from_pretrained(tiny_checkpoint, max_batch=2)
+    server = ReplicaServer(engine, model_path=str(tiny_checkpoint))
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    yield engine, replica_pb2_grpc.ReplicaStub(channel)
+    channel.close()
+    server.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("sampling", [dict(max_tokens=24, ignore_eos=True),
+                                      dict(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_reference_engine_stream_equals_engine_output(reference_replica, sampling):
+    engine, stub = reference_replica
+    expected_gen = engine.generate(PROMPT, SamplingParams(**sampling))
+    expected = list(expected_gen)
+    expected_gen.close()
+    req = replica_pb2.ReplicaGenerateRequest(prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(**sampling))
+    tokens, final = collect(stub.Generate(req))
+    assert tokens == expected
+    assert final.usage.completion_tokens == len(expected)
+    assert common_pb2.FinishReason.Name(final.finish_reason) == f"FINISH_REASON_{expected_gen.finish_reason.name}"
+
+
+def test_reference_engine_two_concurrent_requests_each_equal_solo(reference_replica):
+    engine, stub = reference_replica
+    prompts = [PROMPT, [1, 5, 5, 5]]
+    sampling = common_pb2.SamplingParams(max_tokens=16, ignore_eos=True)
+    solo = [collect(stub.Generate(replica_pb2.ReplicaGenerateRequest(prompt_token_ids=p, sampling=sampling)))[0]
+            for p in prompts]
+    results = [None, None]
+
+    def run(i):
+        req = replica_pb2.ReplicaGenerateRequest(prompt_token_ids=prompts[i], sampling=sampling)
+        results[i] = collect(stub.Generate(req))[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert results == solo
+
+
+def test_replica_cli_process_serves_and_drains_on_sigterm(tiny_checkpoint):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "proto")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicas.cli_replica", "--model", str(tiny_checkpoint), "--engine", "paced",
+         "--port", "0", "--tokens-per-s", "500", "--replica-id", "cli-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("replica cli-1 ready on "), line + proc.stderr.read()
+        address = line.split()[4]
+        with grpc.insecure_channel(address) as channel:
+            stub = replica_pb2_grpc.ReplicaStub(channel)
+            info = stub.GetInfo(replica_pb2.GetInfoRequest())
+            assert info.engine_kind == "paced" and info.model_name == tiny_checkpoint.name
+            call = stub.Generate(replica_pb2.ReplicaGenerateRequest(
+                prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=50)))
+            next(call)
+            proc.send_signal(signal.SIGTERM)  # drains: the running request still completes
+            tokens, final = collect(call)
+            assert len(tokens) == 49 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--engine", "reference"], "--model DIR is required"),
+    pytest.param(["--engine", "monokernel", "--model", "."], "needs CuPy and an NVIDIA GPU",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy present")),
+    (["--engine", "reference", "--model", "/nonexistent/ckpt"], "not a directory"),
+])
+def test_replica_cli_bad_setup_exits_2_with_a_message(args, message, capsys):
+    from replicas.cli_replica import main
+
+    assert main(args + ["--port", "0"]) == 2
+    assert message in capsys.readouterr().err
