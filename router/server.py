@@ -252,3 +252,8 @@ class RouterServer:
             await self._http.stop()
         await self._server.stop(grace)
         await self.router.close()
+        # let gRPC's own bookkeeping tasks finish before the loop stops
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
