@@ -22,7 +22,7 @@ class ReplicaMetrics:
         self.requests = Counter(
             "monoserve_replica_requests", "Generate calls by outcome (stop, length, cancelled by the "
             "client, aborted via Abort, deadline, invalid, rejected = no free slot, unavailable = "
-            "draining, error = engine failure).", ["outcome"], registry=r).labels  # noqa: E501
+            "draining, error = engine failure).", ["outcome"], registry=r).labels
         self.ttft = Histogram("monoserve_replica_ttft_seconds", "Time from request to first token.",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("monoserve_replica_tpot_seconds", "Time between consecutive output tokens.",

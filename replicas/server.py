@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from monoserve.v1 import REPLICA_SERVICE, common_pb2, replica_pb2
 
-from monoserve.v1 import REPLICA_SERVICE, replica_pb2, replica_pb2_grpc
 from replicas.engine import Engine
 from replicas.metrics import ReplicaMetrics
+from replicas.server_handlers import add_servicer
 from replicas.server_load import LoadTracker
 from replicas.server_servicer import ReplicaServicer
 
@@ -106,7 +107,12 @@ class ReplicaServer:
         self._call(self._drain())
 
     def busy_slots(self) -> int:
+        """Generations running now."""
         return self._call(self._busy())
+
+    def load(self) -> common_pb2.ReplicaLoad:
+        """The current load, as WatchLoad would push it (healthy, draining, busy_slots, ...)."""
+        return self._call(self._snapshot())
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no generation is running; False on timeout."""
@@ -156,7 +162,7 @@ class ReplicaServer:
         load = LoadTracker(self.replica_id, self.engine.max_batch)
         info = engine_info(self.engine, self.replica_id, *self._model)
         self.servicer = ReplicaServicer(self.engine, load, self.metrics, info, on_health_change=self._set_ready)
-        replica_pb2_grpc.add_ReplicaServicer_to_server(self.servicer, server)
+        add_servicer(self.servicer, server, replica_pb2.DESCRIPTOR, "Replica")  # malformed bytes -> INVALID_ARGUMENT
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         services = (REPLICA_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
@@ -181,7 +187,11 @@ class ReplicaServer:
     async def _busy(self) -> int:
         return self.servicer.load.busy
 
+    async def _snapshot(self) -> common_pb2.ReplicaLoad:
+        return self.servicer.load.snapshot()
+
     async def _stop(self, grace: float | None) -> None:
         await self.health.enter_graceful_shutdown()
         self.servicer.load.set_draining(True)
+        self.servicer.load.close()  # ends WatchLoad streams now, so `grace` only waits for generations
         await self._server.stop(grace)

@@ -34,6 +34,7 @@ class LoadTracker:
     replica_id: str
     capacity: int
     draining: bool = False
+    closed: bool = False  # the server is stopping: WatchLoad streams end
     healthy: bool = True
     version: int = 0
     tpot_ewma_s: float = 0.0
@@ -72,6 +73,10 @@ class LoadTracker:
         if healthy != self.healthy:
             self.healthy = healthy
             self.changed()
+
+    def close(self) -> None:
+        self.closed = True
+        self.changed()
 
     # ---- measurements (no push) ----------------------------------------------------------
     def observe_tpot(self, seconds: float) -> None:

@@ -18,9 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-
 from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
-from replicas.engine import Engine, EngineBusy, FinishReason, Generation, InvalidRequest, SamplingParams, validate_prompt
+
+from replicas.engine import (
+    Engine,
+    EngineBusy,
+    FinishReason,
+    Generation,
+    InvalidRequest,
+    SamplingParams,
+    validate_prompt,
+)
 from replicas.metrics import ReplicaMetrics
 from replicas.server_load import LoadTracker
 
@@ -199,7 +207,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             post("invalid", str(e))
         except EngineBusy as e:  # the engine's own slot count disagrees with ours: refuse, retryable
             post("busy", str(e))
-        except Exception as e:  # noqa: BLE001 - any engine failure becomes INTERNAL for the caller
+        except Exception as e:
             failed = True
             log.exception("engine failed during request %s", run.request_id)
             post("error", f"{type(e).__name__}: {e}")
@@ -231,7 +239,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         return replica_pb2.ReplicaAbortResponse(found=True)
 
     async def WatchLoad(self, request: replica_pb2.WatchLoadRequest, context):
-        while True:
+        while not self.load.closed:
             changed = self.load.change_event  # before the snapshot: a change while we send is not lost
             yield self.load.snapshot()
             try:

@@ -86,7 +86,7 @@ class PacedEngine:
         self.last_generation: Generation | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs) -> "PacedEngine":
+    def from_pretrained(cls, path: str | Path, **kwargs) -> PacedEngine:
         """A paced engine with the shape (vocab, EOS, context) of a real checkpoint's config."""
         return cls(ModelConfig.from_pretrained(path), **kwargs)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+
 from replicas.engine import SamplingParams
 from replicas.server import ReplicaServer
 
@@ -60,7 +60,7 @@ def test_reference_engine_stream_equals_engine_output(reference_replica, samplin
 
 
 def test_reference_engine_two_concurrent_requests_each_equal_solo(reference_replica):
-    engine, stub = reference_replica
+    _, stub = reference_replica
     prompts = [PROMPT, [1, 5, 5, 5]]
     sampling = common_pb2.SamplingParams(max_tokens=16, ignore_eos=True)
     solo = [collect(stub.Generate(replica_pb2.ReplicaGenerateRequest(prompt_token_ids=p, sampling=sampling)))[0]

