@@ -93,13 +93,15 @@ class ReferenceEngine:
     kind = "reference"
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], max_batch: int = 1):
+        """`weights` (fp32 or castable, HF names) is consumed: entries are popped as they are
+        fused, so a bf16 checkpoint's fp32 copies are freed layer by layer (peak ~1x, not 2x)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.config = config
         self.max_batch = max_batch
         self.max_context = config.max_context
         c = config
-        f32 = lambda name: np.ascontiguousarray(weights[name], dtype=np.float32)
+        f32 = lambda name: np.ascontiguousarray(weights.pop(name), dtype=np.float32)
         self.embed = f32("model.embed_tokens.weight")  # [V, hidden]
         # lm_head: [V, hidden]; tied models reuse the embedding matrix.
         self.lm_head = self.embed if c.tie_word_embeddings else f32("lm_head.weight")
