@@ -30,6 +30,7 @@ from replicas.engine import (  # EngineBusy re-exported: callers may import it f
 )
 from replicas.model import ModelConfig
 from replicas.sampling import make_rng, sample
+from replicas.weights import load_weights
 
 PREFILL_CHUNK = 512  # prompt tokens per batched pass; bounds the [H, n, T] score buffer
 KV_FIRST_ROWS = 256  # decode rows reserved up front; the cache doubles when they run out
@@ -130,7 +131,7 @@ class ReferenceEngine:
     def from_pretrained(cls, path: str | Path, max_batch: int = 1) -> ReferenceEngine:
         """Load a Hugging Face checkpoint directory (bf16/fp16/fp32 weights, upcast to fp32)."""
         config = ModelConfig.from_pretrained(path)
-        return cls(config, _load_weights(Path(path), config), max_batch=max_batch)
+        return cls(config, load_weights(path, config, dtype="float32"), max_batch=max_batch)
 
     # ---- the transformer --------------------------------------------------------------------
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -201,10 +202,14 @@ class ReferenceEngine:
             h = h[-1:]
         return rms_norm(h, self.final_norm, self.config.rms_norm_eps) @ self.lm_head.T  # [n, V]
 
-    def _prefill(self, ids: list[int], cache: KVCache, all_logits: bool) -> np.ndarray:
-        """The prompt in batched chunks (one pass when short); last-position or all logits."""
+    def _prefill(self, ids: list[int], cache: KVCache, all_logits: bool,
+                 cancel: threading.Event | None = None) -> np.ndarray | None:
+        """The prompt in batched chunks (one pass when short); last-position or all logits.
+        None if `cancel` was set between chunks (a long prompt stops within one chunk)."""
         parts = []
         for s in range(0, len(ids), PREFILL_CHUNK):
+            if cancel is not None and cancel.is_set():
+                return None
             parts.append(self._forward(ids[s:s + PREFILL_CHUNK], cache, all_logits))
         return np.concatenate(parts) if all_logits else parts[-1]
 
@@ -228,8 +233,7 @@ class ReferenceEngine:
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         ids = validate_prompt(prompt_ids, params, self.config, self.max_context)
         slot = self._take_slot()
-        gen = _SlotGeneration(lambda cancel: self._steps(ids, params, cancel, slot), slot)
-        return gen
+        return _SlotGeneration(lambda cancel: self._steps(ids, params, cancel, slot), slot)
 
     def _take_slot(self) -> _Slot:
         with self._slots_lock:
@@ -255,9 +259,10 @@ class ReferenceEngine:
             # The last emitted token is never fed back, so the cache needs len + budget - 1 rows.
             needed = len(ids) + budget - 1
             cache = KVCache(self.config, min(needed, len(ids) + KV_FIRST_ROWS), limit=needed)
-            if cancel.is_set():
+            logits = self._prefill(ids, cache, all_logits=False, cancel=cancel)  # [1, V]
+            if logits is None:
                 return FinishReason.CANCELLED, None
-            logits = self._prefill(ids, cache, all_logits=False)[0]  # [V]
+            logits = logits[0]  # [V]
             for produced in range(1, budget + 1):
                 if cancel.is_set():
                     return FinishReason.CANCELLED, None
@@ -301,10 +306,3 @@ class _SlotGeneration(Generation):
     def close(self) -> None:
         super().close()
         self._slot.release()
-
-
-def _load_weights(path: Path, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Weights upcast to fp32 via replicas.weights (validated: names, shapes, dtypes)."""
-    from replicas.weights import load_weights
-
-    return load_weights(path, config, dtype="float32")

@@ -125,6 +125,26 @@ def test_cancel_from_another_thread_stops_within_one_step(engine):
     assert gen.finish_reason is FinishReason.CANCELLED and len(first) == 3
 
 
+def test_cancel_before_start_and_between_prefill_chunks(engine, monkeypatch):
+    gen = engine.generate(PROMPT, SamplingParams())
+    gen.cancel()
+    assert list(gen) == [] and gen.finish_reason is FinishReason.CANCELLED
+
+    monkeypatch.setattr(reference, "PREFILL_CHUNK", 4)
+    gen = engine.generate(list(range(3, 43)), SamplingParams())  # 10 prefill chunks
+    chunks = []
+    real_forward = engine._forward
+
+    def forward_then_cancel(ids, cache, all_logits):
+        chunks.append(len(ids))
+        gen.cancel()  # as if the client went away during the first chunk
+        return real_forward(ids, cache, all_logits)
+
+    monkeypatch.setattr(engine, "_forward", forward_then_cancel)
+    assert list(gen) == [] and gen.finish_reason is FinishReason.CANCELLED
+    assert chunks == [4]  # the rest of the prompt was never computed
+
+
 def test_cancel_while_consumer_is_streaming(engine):
     seen, started = [], threading.Event()
 
