@@ -14,6 +14,7 @@ import sys
 # module -> registers subcommands; order is the order shown in --help
 COMMAND_MODULES = (
     "replicas.cli_cmds",  # make-checkpoint, generate (local), replica
+    "replicas.cli_replica",  # replica (skipped if replicas.cli_cmds already registered it)
     "router.cli_cmds",  # router, generate --router
     "cluster.cli_cmds",  # demo, up, down, status, bench
 )

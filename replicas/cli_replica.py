@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(sub) -> None:
     """Add the `replica` subcommand to the `monoserve` CLI's subparsers."""
+    if "replica" in sub.choices:  # already registered (e.g. by replicas.cli_cmds calling this)
+        return
     p = sub.add_parser("replica", help="serve one engine over gRPC (Replica service)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)

@@ -116,3 +116,14 @@ def test_replica_cli_bad_setup_exits_2_with_a_message(args, message, capsys):
 
     assert main(args + ["--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_monoserve_cli_has_the_replica_subcommand(capsys):
+    from cluster.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["replica", "--model", "ckpt", "--port", "0", "--engine", "paced", "--devices", "0,1"])
+    assert (args.engine, args.port, args.devices, args.func.__module__) == ("paced", 0, [0, 1], "replicas.cli_replica")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["replica", "--devices", "zero"])
+    assert "--devices must be comma-separated GPU ordinals" in capsys.readouterr().err
