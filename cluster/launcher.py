@@ -1,0 +1,188 @@
+"""`monoserve up / status / down`: connect to Ray, start or find the supervisor, report.
+
+`up` without a Ray address starts a local Ray cluster in this process (logical GPUs on a
+machine without them) and keeps running until Ctrl-C or `monoserve down`; with an address it
+creates the detached supervisor on that cluster and returns. `status` and `down` find the
+supervisor by name (namespace `monoserve`) from any shell on the cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+from cluster.config import ClusterConfig
+from cluster.router_actor import ROUTER_ACTOR_NAME
+from cluster.supervisor import REPLICA_PREFIX, SUPERVISOR_ACTOR_NAME, SupervisorActor
+from replicas.actor import cuda_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class ClusterError(RuntimeError):
+    """A cluster operation failed; the message says what to do."""
+
+
+def worker_runtime_env() -> dict:
+    """Make this checkout importable in Ray workers (the `monoserve.v1` stubs live under proto/)."""
+    paths = [str(ROOT), str(ROOT / "proto")]
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
+
+
+def local_gpu_count(config: ClusterConfig) -> int | None:
+    """GPUs to give a local Ray: configured, else detected, else logical ones for the replicas."""
+    if config.ray.num_gpus is not None:
+        return config.ray.num_gpus
+    if cuda_available():
+        return None  # let Ray detect the real ones
+    return config.replicas.gpus_per_replica * config.replicas.max
+
+
+def connect(config: ClusterConfig, address: str | None = None) -> bool:
+    """Join the configured/given Ray cluster or start a local one. Returns True if started here."""
+    if ray.is_initialized():
+        return False
+    address = address or config.ray.address
+    kwargs = dict(namespace=config.ray.namespace, runtime_env=worker_runtime_env(), include_dashboard=False,
+                  log_to_driver=False, configure_logging=False)
+    if address:
+        try:
+            ray.init(address=address, **kwargs)
+        except ConnectionError as e:
+            raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {e}. "
+                               "Start it with `ray start --head` or fix ray.address / --address.") from None
+        return False
+    ray.init(num_gpus=local_gpu_count(config), num_cpus=config.ray.num_cpus, **kwargs)
+    return True
+
+
+def get_supervisor(namespace: str = "monoserve"):
+    try:
+        return ray.get_actor(SUPERVISOR_ACTOR_NAME, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
+    """Create the supervisor (router + replicas) and wait until `replicas.min` are ready.
+
+    `progress(status_dict)` is called while waiting. Returns the supervisor actor handle.
+    Raises ClusterError if monoserve is already up, a replica fails to start, or time runs out.
+    """
+    if get_supervisor(config.ray.namespace) is not None:
+        raise ClusterError("monoserve is already up on this Ray cluster: run `monoserve down` first")
+    _check_resources(config)
+    supervisor = ray.remote(SupervisorActor).options(
+        name=SUPERVISOR_ACTOR_NAME, namespace=config.ray.namespace, lifetime="detached", num_cpus=0,
+        max_concurrency=4, max_restarts=0,
+    ).remote(config.model_dump_json())
+    timeout_s = timeout_s or config.autoscaling.start_timeout_s
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = ray.get(supervisor.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(f"the supervisor failed to start: {_last_line(e)}") from None
+        except ray.exceptions.GetTimeoutError:
+            status = None
+        if status is not None:
+            if progress:
+                progress(status)
+            failed = [r for r in status["replicas"] if r["error"] and r["phase"] == "dead"]
+            failed += [r for r in _removed_with_errors(status)]
+            if failed:
+                down(config.ray.namespace)
+                raise ClusterError(f"replica failed to start: {failed[0]['error']}")
+            ready = [r for r in status["replicas"] if r["phase"] == "ready" and r["router_state"]]
+            if len(ready) >= config.replicas.min:
+                return supervisor
+        if time.monotonic() > deadline:
+            down(config.ray.namespace)
+            raise ClusterError(f"replicas not ready after {timeout_s:g}s: see the Ray logs "
+                               "(`ray logs`) or raise autoscaling.start_timeout_s")
+        time.sleep(0.2)
+
+
+def _removed_with_errors(status: dict) -> list[dict]:
+    """Start failures the supervisor already cleaned up, recovered from its event log."""
+    return [{"error": e.split("failed to start: ", 1)[1]} for e in status["events"] if "failed to start: " in e]
+
+
+def _check_resources(config: ClusterConfig) -> None:
+    need = config.replicas.gpus_per_replica
+    total = ray.cluster_resources().get("GPU", 0)
+    if need and total < need * config.replicas.min:
+        raise ClusterError(
+            f"the Ray cluster has {total:g} GPUs but {config.replicas.min} replicas x {need} GPUs are needed: "
+            "add nodes, lower replicas.min / replicas.gpus_per_replica, or set ray.num_gpus for a local cluster")
+
+
+def status(namespace: str = "monoserve") -> dict:
+    supervisor = get_supervisor(namespace)
+    if supervisor is None:
+        raise ClusterError("monoserve is not up on this Ray cluster (no supervisor): run `monoserve up`")
+    return ray.get(supervisor.status.remote(), timeout=30)
+
+
+def down(namespace: str = "monoserve") -> bool:
+    """Stop replicas, router and supervisor; also cleans up leftovers of a crashed supervisor."""
+    supervisor = get_supervisor(namespace)
+    found = supervisor is not None
+    if supervisor is not None:
+        try:
+            ray.get(supervisor.shutdown.remote(), timeout=120)
+        except Exception:
+            pass
+        ray.kill(supervisor)
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        name = info["name"]
+        if info["namespace"] == namespace and (
+                name.startswith(REPLICA_PREFIX) or name == ROUTER_ACTOR_NAME):
+            found = True
+            try:
+                ray.kill(ray.get_actor(name, namespace=namespace))
+            except ValueError:
+                pass
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("name", "").startswith(REPLICA_PREFIX) and pg.get("state") != "REMOVED":
+            ray.util.remove_placement_group(ray.util.get_placement_group(pg["name"]))
+    return found
+
+
+def format_status(s: dict) -> str:
+    lines = [f"router  {s['router']['grpc']}" + (f"  http {s['router']['http']}" if s['router'].get('http') else "")
+             + f"  queue {s['router']['queue_depth']}",
+             f"replicas  target {s['target']} (min {s['min']}, max {s['max']})"]
+    header = f"  {'name':<24} {'phase':<9} {'router':<10} {'address':<22} {'engine':<11} {'load':<6} GPUs"
+    lines.append(header)
+    for r in s["replicas"]:
+        load = f"{r['busy']}/{r['capacity']}" if r["capacity"] else "-"
+        lines.append(f"  {r['name']:<24} {r['phase']:<9} {r['router_state'] or '-':<10} {r['address'] or '-':<22} "
+                     f"{r['engine'] or '-':<11} {load:<6} {_gpus(r['gpu_ids'])}"
+                     + (f"  ({r['error']})" if r["error"] else ""))
+    return "\n".join(lines)
+
+
+def _gpus(ids: list[int]) -> str:
+    return ",".join(map(str, ids)) if ids else "-"
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def wait_until_down(namespace: str, poll_s: float = 1.0) -> None:
+    """Block while the supervisor exists (the foreground `up` of a local cluster)."""
+    while get_supervisor(namespace) is not None:
+        time.sleep(poll_s)
+
+
+def eprint(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)

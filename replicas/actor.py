@@ -1,0 +1,178 @@
+"""`ReplicaActor`: one replica as a Ray actor that owns a node's GPUs.
+
+The actor is scheduled into a `STRICT_PACK` placement group of one bundle
+`{GPU: gpus_per_replica, CPU: n}` (see `placement_bundle`), so all its GPUs are on one node.
+Ray sets CUDA_VISIBLE_DEVICES to exactly the GPUs it granted (`ray.get_gpu_ids()`); inside the
+process they are ordinals 0..n-1, which become the engine's devices. The actor starts the
+engine (monokernel where CUDA + CuPy are present and the kind is `auto`, the numpy reference
+engine otherwise) and a `ReplicaServer` bound to the node's IP, then answers
+ready/health/drain/stop/info. The router talks to the replica over gRPC, never through Ray.
+
+The class is plain Python; `remote_class()` wraps it with `ray.remote` (threaded, so health
+answers while a drain waits).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("monoserve.replica")
+
+ENGINE_KINDS = ("auto", "reference", "monokernel", "paced")
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything a replica actor needs to start (plain data: crosses Ray process boundaries)."""
+
+    replica_id: str
+    model: str | None  # checkpoint directory on the node (None only for the paced engine)
+    engine: str = "auto"
+    model_name: str | None = None
+    tensor_parallel_size: int = 1
+    max_batch: int = 1
+    paced_tokens_per_s: float = 200.0
+    host: str | None = None  # bind address; None = the node's IP as Ray sees it
+    port: int = 0
+    extra: dict = field(default_factory=dict)  # forwarded to ReplicaServer (e.g. metrics_port)
+
+    def __post_init__(self):
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
+        if self.model is None and self.engine != "paced":
+            raise ValueError(f"replica {self.replica_id}: model directory is required for engine {self.engine!r}")
+
+
+def placement_bundle(gpus: int, cpus: float) -> dict[str, float]:
+    """The single placement-group bundle of one replica (zero amounts left out, Ray rejects them)."""
+    bundle = {"CPU": float(cpus)}
+    if gpus:
+        bundle["GPU"] = float(gpus)
+    return bundle
+
+
+def cuda_available() -> bool:
+    """True when CuPy is installed and sees at least one CUDA device."""
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, broken install: all mean "use the CPU engine"
+        return False
+
+
+def resolve_engine_kind(kind: str, num_gpus: int) -> str:
+    if kind == "auto":
+        return "monokernel" if num_gpus > 0 and cuda_available() else "reference"
+    return kind
+
+
+def make_engine(spec: ReplicaSpec, devices: list[int]):
+    """Build the engine the spec asks for on these local device ordinals."""
+    kind = resolve_engine_kind(spec.engine, len(devices))
+    if kind == "reference":
+        from replicas.reference import ReferenceEngine
+
+        return ReferenceEngine.from_pretrained(spec.model, max_batch=spec.max_batch)
+    if kind == "monokernel":
+        if not devices:
+            raise RuntimeError(f"replica {spec.replica_id}: engine 'monokernel' needs GPUs but Ray granted none")
+        from replicas.monokernel import MonokernelEngine
+
+        return MonokernelEngine.from_pretrained(spec.model, devices=devices[: spec.tensor_parallel_size])
+    from replicas.model import ModelConfig
+    from replicas.testing import PacedEngine, tiny_config
+
+    config = ModelConfig.from_pretrained(spec.model) if spec.model else tiny_config()
+    return PacedEngine(config, tokens_per_s=spec.paced_tokens_per_s, max_batch=spec.max_batch)
+
+
+class ReplicaActor:
+    """Engine + replica gRPC server in one Ray actor process (see module docstring)."""
+
+    def __init__(self, spec: ReplicaSpec):
+        import ray
+
+        from replicas.server import ReplicaServer
+
+        self.spec = spec
+        self.started_at = time.time()
+        # ids Ray granted on this node; Ray already restricted CUDA_VISIBLE_DEVICES to them
+        self.gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        devices = list(range(len(self.gpu_ids)))
+        self.engine = make_engine(spec, devices)
+        host = spec.host or self.node_ip
+        self.server = ReplicaServer(self.engine, host=host, port=spec.port, replica_id=spec.replica_id,
+                                    model_name=spec.model_name, model_path=spec.model, gpu_ids=self.gpu_ids,
+                                    **spec.extra)
+        self.port = self.server.start()
+        self.address = f"{host}:{self.port}"
+        self.draining = False
+        log.info("replica %s serving %s on %s (GPUs %s)", spec.replica_id, self.engine.kind, self.address,
+                 self.gpu_ids)
+
+    # -- Ray methods -----------------------------------------------------------------------------
+
+    def ready(self) -> dict:
+        """Returns `info()` once the engine is loaded and the server listens (Ray runs __init__ first)."""
+        return self.info()
+
+    def info(self) -> dict:
+        return {
+            "replica_id": self.spec.replica_id,
+            "address": self.address,
+            "engine": self.engine.kind,
+            "gpu_ids": self.gpu_ids,
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "pid": os.getpid(),
+            "max_batch": self.engine.max_batch,
+            "model": self.spec.model,
+            "started_at": self.started_at,
+            "spec": asdict(self.spec),
+        }
+
+    def health(self) -> dict:
+        """Cheap liveness + load probe: {healthy, busy, draining}."""
+        busy, healthy = self._load()
+        return {"healthy": healthy, "busy": busy, "draining": self.draining}
+
+    def drain(self, timeout_s: float = 600.0) -> int:
+        """Refuse new requests, wait until running ones finish; returns how many still run."""
+        self.draining = True
+        self.server.drain()
+        self.server.wait_idle(timeout_s)
+        return self.server.busy_slots()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.draining = True
+        self.server.stop(grace=grace_s)
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _load(self) -> tuple[int, bool]:
+        """(running generations, engine healthy) as the replica server counts them."""
+        return self.server.busy_slots(), bool(self.server.servicer.load.healthy)
+
+
+def remote_class():
+    """`ReplicaActor` as a Ray actor class (threaded: health answers during a drain)."""
+    import ray
+
+    return ray.remote(max_concurrency=4, max_restarts=0)(ReplicaActor)
+
+
+def checkpoint_exists(path: str | None) -> bool:
+    return path is not None and (Path(path) / "config.json").is_file()
