@@ -30,7 +30,7 @@ from replicas.engine import (
     validate_prompt,
 )
 from replicas.metrics import ReplicaMetrics
-from replicas.server_load import LoadTracker
+from replicas.server_load import LoadTracker, Slot
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ class Running:
     """A generation in flight: the loop-side view the handler, Abort and the worker share."""
 
     request_id: str
-    queue: asyncio.Queue  # ("token", id, t) | ("done", gen) | ("error", exc) | ("invalid", msg)
+    queue: asyncio.Queue  # (kind, value, perf_counter time): token | done | invalid | busy | error
     generation: Generation | None = None
+    engine_started_at: float = 0.0  # when the worker handed the prompt to the engine
     aborted: bool = False
     cancel_requested: bool = False
     started_at: float = field(default_factory=time.perf_counter)
@@ -111,12 +112,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
 
         run = Running(request_id, asyncio.Queue(), started_at=received)
         self.running[request_id] = run
-        self.load.admit(request_id, min(params.max_tokens, self.engine.max_context - len(prompt)))
+        slot = self.load.admit(request_id, min(params.max_tokens, self.engine.max_context - len(prompt)))
         self.metrics.active_slots.set(self.load.busy)
         loop = asyncio.get_running_loop()
         self._executor.submit(self._worker, loop, run, prompt, params)
         try:
-            async for response in self._stream(run, len(prompt), context):
+            async for response in self._stream(run, slot, len(prompt), context):
                 yield response
         finally:
             # client cancel, deadline, server stop or a normal end: the engine stops within a token
@@ -130,8 +131,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                             f"all {self.load.capacity} slots of replica {self.load.replica_id} are busy; "
                             f"retry in about {pushback} ms or use another replica")
 
-    async def _stream(self, run: Running, prompt_tokens: int, context):
-        slot = self.load.slots[run.request_id]
+    async def _stream(self, run: Running, slot: Slot, prompt_tokens: int, context):
         first_at = last_at = None
         outcome = "cancelled"
         try:
@@ -141,7 +141,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                     if first_at is None:
                         first_at = t
                         self.metrics.ttft.observe(t - run.started_at)
-                        self.load.observe_prefill(t - run.started_at, prompt_tokens)
+                        self.load.observe_prefill(t - run.engine_started_at, prompt_tokens)
                     else:
                         self.metrics.tpot.observe(t - last_at)
                         self.load.observe_tpot(t - last_at)
@@ -154,7 +154,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                     reason = _FINISH[gen.finish_reason or FinishReason.CANCELLED]
                     outcome = "aborted" if run.aborted else gen.finish_reason.value
                     yield replica_pb2.ReplicaGenerateResponse(final=self._final(
-                        gen, reason, prompt_tokens, slot.produced, run.started_at, first_at, last_at, t))
+                        gen, reason, prompt_tokens, slot.produced, run, first_at, last_at, t))
                     return
                 elif kind == "invalid":
                     outcome = "invalid"
@@ -172,12 +172,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             self.metrics.requests(outcome).inc()
 
     @staticmethod
-    def _final(gen, reason, prompt_tokens, produced, start, first_at, last_at, end) -> replica_pb2.ReplicaFinal:
-        ms = 1e3
+    def _final(gen, reason, prompt_tokens, produced, run: Running, first_at, last_at, end) -> replica_pb2.ReplicaFinal:
+        ms, start = 1e3, run.started_at
         timings = common_pb2.ServerTimings(
             queue_ms=0.0,  # a replica admits at once or refuses
             ttft_ms=(first_at - start) * ms if first_at else 0.0,
-            prefill_ms=(first_at - start) * ms if first_at else 0.0,
+            prefill_ms=(first_at - run.engine_started_at) * ms if first_at else 0.0,
             mean_tpot_ms=(last_at - first_at) * ms / (produced - 1) if produced > 1 else 0.0,
             total_ms=(end - start) * ms,
         )
@@ -194,30 +194,33 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             loop.call_soon_threadsafe(run.queue.put_nowait, (kind, value, time.perf_counter()))
 
         gen = None
-        failed = False
+        end = ("error", "the engine stopped without a reason", 0.0)
         try:
+            run.engine_started_at = time.perf_counter()
             gen = self.engine.generate(prompt, params)
             run.generation = gen
             if run.cancel_requested:  # cancelled before the engine started
                 gen.cancel()
             for token in gen:
                 post("token", token)
-            post("done", gen)
+            end = ("done", gen, time.perf_counter())
         except InvalidRequest as e:
-            post("invalid", str(e))
+            end = ("invalid", str(e), time.perf_counter())
         except EngineBusy as e:  # the engine's own slot count disagrees with ours: refuse, retryable
-            post("busy", str(e))
+            end = ("busy", str(e), time.perf_counter())
         except Exception as e:
-            failed = True
             log.exception("engine failed during request %s", run.request_id)
-            post("error", f"{type(e).__name__}: {e}")
+            end = ("error", f"{type(e).__name__}: {e}", time.perf_counter())
         finally:
             if gen is not None:
                 gen.close()
-            loop.call_soon_threadsafe(self._finished, run, failed)
+            loop.call_soon_threadsafe(self._finished, run, end)
 
-    def _finished(self, run: Running, failed: bool) -> None:
-        """On the loop, once the engine has let go of the generation: free the slot."""
+    def _finished(self, run: Running, end: tuple) -> None:
+        """On the loop, once the engine has let go of the generation: free the slot, then let the
+        handler send the final message (so a caller that sends its next request as soon as it sees
+        the final one always finds the slot free)."""
+        failed = end[0] == "error"
         self.running.pop(run.request_id, None)
         self.load.release(run.request_id)
         self.metrics.active_slots.set(self.load.busy)
@@ -227,6 +230,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             self.load.set_healthy(healthy)
             if self._on_health_change is not None:
                 asyncio.ensure_future(self._on_health_change(healthy))
+        run.queue.put_nowait(end)
 
     # ---- Abort, WatchLoad, GetInfo -------------------------------------------------------
     async def Abort(self, request: replica_pb2.ReplicaAbortRequest, context) -> replica_pb2.ReplicaAbortResponse:

@@ -354,3 +354,11 @@ def test_stop_ends_watch_streams_and_returns_promptly():
         while True:
             next(watch)
     channel.close()
+
+
+def test_back_to_back_requests_find_the_slot_free_after_the_final_message(serve):
+    """The slot is freed before the final message is sent, so a caller never races its own release."""
+    _, stub = serve(PacedEngine(tokens_per_s=100_000, max_batch=1))
+    for _ in range(40):
+        tokens, final = collect(stub.Generate(gen_request(max_tokens=2)))
+        assert len(tokens) == 2 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
