@@ -6,8 +6,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
 from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+
 from replicas.server import ReplicaServer
 from replicas.testing import PacedEngine
 
@@ -43,7 +43,7 @@ request = st.builds(replica_pb2.ReplicaGenerateRequest, prompt_token_ids=st.list
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(req=request)
 def test_random_requests_stream_or_invalid_argument(replica, req):
-    server, channel = replica
+    _, channel = replica
     stub = replica_pb2_grpc.ReplicaStub(channel)
     tokens, final = [], None
     try:
