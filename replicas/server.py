@@ -97,7 +97,8 @@ class ReplicaServer:
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
-            self._thread = None
+            self._loop.close()
+            self._thread = self._loop = None
             raise
         log.info("replica %s serving %s engine on %s", self.replica_id, self.engine.kind, self.address)
         return self.port
@@ -153,9 +154,14 @@ class ReplicaServer:
     # ---- on the event loop -------------------------------------------------------------
     async def _start(self) -> int:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        port = server.add_insecure_port(f"{self.host}:{self.port}")
+        cause = None
+        try:
+            port = server.add_insecure_port(f"{self.host}:{self.port}")
+        except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind ...")
+            port, cause = 0, e
         if port == 0:
-            raise OSError(f"cannot bind gRPC port {self.host}:{self.port}")
+            raise OSError(f"cannot bind gRPC address {self.host}:{self.port} (in use, or not an address of "
+                          "this machine): pick another port or host") from cause
         self.port = port
         self.replica_id = self.replica_id or self.address
         self.metrics = ReplicaMetrics(self.replica_id, self.engine.max_batch)

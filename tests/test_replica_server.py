@@ -362,3 +362,11 @@ def test_back_to_back_requests_find_the_slot_free_after_the_final_message(serve)
     for _ in range(40):
         tokens, final = collect(stub.Generate(gen_request(max_tokens=2)))
         assert len(tokens) == 2 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_port_in_use_is_a_clear_oserror(serve):
+    first, _ = serve(PacedEngine())
+    second = ReplicaServer(PacedEngine(), port=first.port)
+    with pytest.raises(OSError, match="cannot bind gRPC address .* pick another port"):
+        second.start()
+    second.stop()  # a server that never started stops as a no-op
