@@ -47,7 +47,10 @@ def register(sub) -> None:
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text")
-    p.add_argument("--model", metavar="DIR", required=True, help="checkpoint directory (config, weights, tokenizer)")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (config, weights, tokenizer); "
+                   "required unless --router is given")
+    p.add_argument("--router", metavar="ADDR", default=None,
+                   help="generate through a running router (host:port) instead of locally")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0 = off)")
@@ -58,6 +61,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.router:
+        from router.cli_cmds import generate_remote
+
+        return generate_remote(args)
+    if not args.model:
+        return _fail("give --model DIR (a checkpoint) to generate locally, or --router ADDR")
     return generate_local(args)
 
 
