@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -169,14 +169,17 @@ class ModelConfig(BaseModel):
             raise ConfigError(f"{source}: hidden_act={act!r} is not supported; supported: 'silu'")
         if raw.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported; supported: false")
-        if family == "qwen2" and raw.get("use_sliding_window"):
+        if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported; supported: false")
 
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         head_dim = raw.get("head_dim") or hidden // heads
         rope_theta, scaling = _read_rope(raw, source)
-        attention_bias = bool(raw.get("attention_bias", False))
+        # Bias on attention projections differs by family (as in transformers' modeling code):
+        # Llama/Qwen3 honour `attention_bias` on q, k, v and o; Qwen2 always biases q, k, v and
+        # never o; Mistral has no attention bias.
+        attention_bias = bool(raw.get("attention_bias", False)) and family in ("llama", "qwen3")
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
         if dtype_name not in DTYPES:
             raise ConfigError(f"{source}: dtype={dtype_name!r} is not supported; supported: bfloat16, float16, float32")
@@ -214,8 +217,10 @@ class ModelConfig(BaseModel):
             )
         except ConfigError:
             raise
-        except ValueError as e:  # pydantic ValidationError
-            raise ConfigError(f"{source}: {e}") from None
+        except ValidationError as e:  # name each bad field, without pydantic's boilerplate
+            parts = [": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, "))))
+                     for err in e.errors()]
+            raise ConfigError(f"{source}: " + "; ".join(parts)) from None
 
 
 def _read_json(file: Path) -> dict[str, Any]:
