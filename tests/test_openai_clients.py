@@ -193,3 +193,15 @@ def test_grpc_reflection_lists_the_services(stack):
     router_services = _reflected_services(stack.router.address)
     assert {"monoserve.v1.Inference", "monoserve.v1.RouterAdmin", "grpc.health.v1.Health"} <= router_services
     assert "monoserve.v1.Replica" in _reflected_services(stack.replicas[0].address)
+
+
+def test_chat_stop_string_streamed_and_kept(client, stack):
+    _, text = stack.greedy(stack.chat_ids(CHAT), 16)
+    stop = text[5:7]
+    expected = text[:text.find(stop)]
+    kw = dict(model=stack.model, messages=CHAT, max_tokens=16, temperature=0, stop=stop)
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    kept = client.chat.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == expected + stop

@@ -211,3 +211,30 @@ def test_concurrent_clients_on_two_replicas(tiny_checkpoint):
         assert all(r.json()["usage"]["completion_tokens"] == 20 for r in results)
     finally:
         s.close()
+
+
+def test_deadline_after_output_began_keeps_the_partial_output(tiny_checkpoint):
+    s = Stack(tiny_checkpoint, engine_kw={"tokens_per_s": 50})
+    try:
+        r = post(s, "/completions", {"model": s.model, "prompt": "hi", "max_tokens": 1000},
+                 headers={"X-Request-Timeout": "0.4"})
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        assert choice["finish_reason"] == "length"
+        assert 5 <= usage["completion_tokens"] <= 30 and choice["text"]
+    finally:
+        s.close()
+
+
+def test_replica_failure_mid_stream_ends_the_stream_with_an_error_event(tiny_checkpoint):
+    s = Stack(tiny_checkpoint, engine_kw={"tokens_per_s": 500, "fail_after": 3})
+    try:
+        with openai.OpenAI(base_url=s.url, api_key="x", max_retries=0) as client:
+            stream = client.completions.create(model=s.model, prompt="hi", max_tokens=50, stream=True)
+            texts = []
+            with pytest.raises(openai.APIError, match="replica"):
+                for chunk in stream:
+                    texts.append(chunk.choices[0].text)
+        assert texts, "the tokens produced before the failure were delivered"
+    finally:
+        s.close()
