@@ -58,10 +58,19 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Generate a completion, streamed: zero or more Chunk messages, then exactly one Final.
-        The call's gRPC deadline is the request deadline. Cancelling the call stops the generation
-        within one token. Errors: INVALID_ARGUMENT (bad request; message says what to fix),
-        NOT_FOUND (unknown model), RESOURCE_EXHAUSTED (overloaded; retry after the pushback in
-        the "grpc-retry-pushback-ms" trailer), DEADLINE_EXCEEDED, UNAVAILABLE (no healthy replica).
+        The call's gRPC deadline is the request deadline (it travels to the replica). Cancelling the
+        call stops the generation within one token. Errors: INVALID_ARGUMENT (bad request, including
+        an unknown model or bytes that are not a GenerateRequest; message says what to fix),
+        RESOURCE_EXHAUSTED (router queue full, or the deadline cannot be met given the queue; retry
+        after the pushback in the "grpc-retry-pushback-ms" trailer), DEADLINE_EXCEEDED,
+        UNAVAILABLE (no healthy replica), ALREADY_EXISTS (request_id already running).
+        Deadline: if it passes before the first token the call ends with DEADLINE_EXCEEDED. After
+        tokens were sent, the router ends the stream with Final(FINISH_REASON_DEADLINE); callers of
+        the router without a gRPC deadline (the OpenAI HTTP layer's timeout) receive it, while a
+        gRPC client's own deadline fires at the same moment, so it sees DEADLINE_EXCEEDED (the
+        tokens it already received are valid and final).
+        A replica failing mid-stream is invisible: the router resumes on another replica from the
+        prompt plus the tokens already sent (exact for greedy decoding).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
