@@ -98,9 +98,10 @@ def make_checkpoint(preset: str, out_dir: str | Path, seed: int = 0, dtype: str 
 
 
 def write_metadata(preset: str, out_dir: str | Path, dtype: str = "bf16") -> ModelConfig:
-    """Write everything but the weights (configs, tokenizer) into an existing dir."""
+    """Write everything but the weights (configs, tokenizer) into `out_dir` (created if needed)."""
     _check_preset(preset)
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     raw = dict(PRESETS[preset], torch_dtype=DTYPES[dtype][1], transformers_version="4.46.0")
     config = ModelConfig.from_hf_dict(raw, GENERATION[preset], source=f"preset {preset!r}")
     _write_json(out / "config.json", raw)
