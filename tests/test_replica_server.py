@@ -132,7 +132,7 @@ def test_abort_by_request_id_ends_stream_with_cancelled(serve):
 
 def test_client_cancel_stops_the_engine_within_a_token(serve):
     engine = PacedEngine(tokens_per_s=50)  # 20 ms per token
-    server, stub = serve(engine)
+    server, stub = serve(engine, metrics_port=0)
     call = stub.Generate(gen_request(max_tokens=1000))
     next(call), next(call)
     call.cancel()
@@ -141,11 +141,13 @@ def test_client_cancel_stops_the_engine_within_a_token(serve):
     assert time.perf_counter() - t0 < 0.3  # one token is 20 ms; slack for loaded machines
     assert engine.cancelled == 1 and engine.last_generation.num_tokens < 10
     assert wait_for(lambda: server.busy_slots() == 0)
+    metrics = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    assert 'monoserve_replica_requests_total{outcome="cancelled"} 1.0' in metrics
 
 
 def test_deadline_stops_the_engine(serve):
     engine = PacedEngine(tokens_per_s=50)
-    server, stub = serve(engine)
+    server, stub = serve(engine, metrics_port=0)
     t0 = time.perf_counter()
     with pytest.raises(grpc.RpcError) as err:
         collect(stub.Generate(gen_request(max_tokens=1000), timeout=0.3))
@@ -154,6 +156,8 @@ def test_deadline_stops_the_engine(serve):
     assert time.perf_counter() - t0 < 0.8  # deadline 0.3 s + one 20 ms token + slack
     assert engine.cancelled == 1 and engine.last_generation.num_tokens < 20
     assert wait_for(lambda: server.busy_slots() == 0)
+    metrics = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics").text
+    assert 'monoserve_replica_requests_total{outcome="deadline"} 1.0' in metrics
 
 
 def test_watch_load_pushes_changes_immediately(serve):
