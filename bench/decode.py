@@ -1,0 +1,188 @@
+"""Batch-1 decode benchmark on one GPU: copy-bandwidth roofline, the monokernel, and a peer.
+
+    python bench/decode.py --presets llama-3.2-1b llama-3.1-8b --out $OUT [--no-peer]
+
+In one run: (1) device-to-device copy bandwidth (bytes read + written), the roofline;
+(2) per preset, random bf16 weights generated straight in GPU memory (same shapes as the
+synthetic checkpoints; the real loader path is covered by bench/monokernel_check.py and the gpu
+tests), a 32-token prompt and 512 new greedy tokens, median of >= 5 runs: tokens/s, µs/token,
+achieved GB/s, % of roofline; TTFT for 32/512/2000-token prompts; (3) the peer: Hugging Face
+transformers with a static cache (its compiled path) on the same shapes. Writes decode.json and
+decode.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def copy_bandwidth(cp, nbytes: int = 4 << 30) -> float:
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+    for _ in range(3):
+        b[...] = a
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(10):
+        s.record()
+        b[...] = a
+        e.record()
+        e.synchronize()
+        times.append(cp.cuda.get_elapsed_time(s, e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def random_tensors(cp, config, seed: int = 0) -> dict:
+    """HF-named bf16 (uint16 bits) tensors on the GPU, scaled like replicas.checkpoint's."""
+    from replicas.monokernel_weights import to_bf16_bits
+    from replicas.weights import expected_tensors
+
+    rs = cp.random.RandomState(seed)
+    out = {}
+    for name, shape in expected_tensors(config).items():
+        if name.endswith("norm.weight"):
+            out[name] = to_bf16_bits(cp, cp.ones(shape, cp.float32))
+            continue
+        fan_in = shape[-1] if len(shape) == 2 else 1
+        scale = 1.0 if "embed" in name else (1.0 / fan_in) ** 0.5
+        out[name] = to_bf16_bits(cp, rs.standard_normal(shape, dtype=cp.float32) * scale)
+    return out
+
+
+def time_generation(engine, prompt, n_new: int):
+    """(seconds from first token to last, tokens, ttft seconds)."""
+    from replicas.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    gen = engine.generate(prompt, SamplingParams(max_tokens=n_new, ignore_eos=True))
+    first = None
+    count = 0
+    for _ in gen:
+        count += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return end - first, count, first - t0
+
+
+def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int]) -> dict:
+    from replicas.checkpoint import preset_config
+    from replicas.monokernel import MonokernelEngine
+
+    config = preset_config(preset)
+    t = time.perf_counter()
+    engine = MonokernelEngine(config, random_tensors(cp, config), max_context=4096)
+    cp.get_default_memory_pool().free_all_blocks()
+    res = {"preset": preset, "setup_s": round(time.perf_counter() - t, 1),
+           "compile_s": round(engine.gpu.compile_seconds, 2),
+           "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
+    prompt = list(range(100, 132))
+    time_generation(engine, prompt, 64)  # warm-up
+    rates = []
+    for _ in range(runs):
+        dt, count, _ = time_generation(engine, prompt, n_new)
+        rates.append((count - 1) / dt)
+    tok_s = statistics.median(rates)
+    lay = engine.gpu.layout
+    kv_avg = 2 * lay.layers * lay.kv_heads * lay.head_dim * 2 * (len(prompt) + n_new / 2)
+    bytes_per_token = lay.stream_bytes_per_token() + kv_avg
+    res.update(tok_s=round(tok_s, 1), us_per_token=round(1e6 / tok_s, 1), runs=[round(r, 1) for r in rates],
+               bytes_per_token=bytes_per_token, achieved_GBps=round(bytes_per_token * tok_s / 1e9, 1))
+    ttft = {}
+    for n in ttft_lens:
+        p = [(7 * i) % config.vocab_size for i in range(n)]
+        vals = [time_generation(engine, p, 2)[2] for _ in range(3)]
+        ttft[n] = round(1e3 * statistics.median(vals), 2)
+    res["ttft_ms"] = ttft
+    del engine
+    cp.get_default_memory_pool().free_all_blocks()
+    return res
+
+
+def bench_peer(preset: str, n_new: int, runs: int) -> dict:
+    """HF transformers, random bf16 weights, static KV cache (compiled decode), same prompt."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from replicas.presets import PRESETS
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in PRESETS[preset].items() if k != "architectures"})
+    cfg.architectures = PRESETS[preset]["architectures"]
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.arange(100, 132, device="cuda")[None]
+    kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, cache_implementation="static")
+    rates = []
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "max_new_tokens": 16, "min_new_tokens": 16})  # compile
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            rates.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t))
+    del model
+    torch.cuda.empty_cache()
+    return {"preset": preset, "peer": "transformers static cache", "tok_s": round(statistics.median(rates), 1),
+            "runs": [round(r, 1) for r in rates]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--ttft", type=int, nargs="*", default=[32, 512, 2000])
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import cupy as cp
+
+    gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    bw = copy_bandwidth(cp)
+    print(f"GPU {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    results = {"gpu": gpu, "copy_TBps": round(bw / 1e12, 3), "monokernel": [], "peer": []}
+    for preset in args.presets:
+        r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [])
+        r["roofline_tok_s"] = round(bw / r["bytes_per_token"], 1)
+        r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
+        print(json.dumps(r), flush=True)
+        results["monokernel"].append(r)
+    if not args.no_peer:
+        for preset in args.presets:
+            try:
+                p = bench_peer(preset, args.new_tokens, max(2, args.runs // 2))
+            except Exception as e:  # the peer is informative; its failure must not hide our numbers
+                p = {"preset": preset, "error": repr(e)[:300]}
+            print(json.dumps(p), flush=True)
+            results["peer"].append(p)
+    lines = [f"GPU: {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", "",
+             "| model | monokernel tok/s | µs/token | achieved GB/s | % roofline | roofline tok/s | peer tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["monokernel"]:
+        peer = next((p.get("tok_s", "error") for p in results["peer"] if p["preset"] == r["preset"]), "-")
+        lines.append(f"| {r['preset']} | {r['tok_s']} | {r['us_per_token']} | {r['achieved_GBps']} | "
+                     f"{r['pct_roofline']} | {r['roofline_tok_s']} | {peer} |")
+    if results["monokernel"] and results["monokernel"][0].get("ttft_ms"):
+        lines.append("")
+        lines.append("TTFT (ms, prefill + first token) on " + results["monokernel"][0]["preset"] + ": " +
+                     ", ".join(f"{k} tokens: {v}" for k, v in results["monokernel"][0]["ttft_ms"].items()))
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "decode.json").write_text(json.dumps(results, indent=1))
+        (out / "decode.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+// Small device helpers shared by every phase: bf16, async copies, reductions, grid barrier, RNG.
+#pragma once
+#include <cuda_bf16.h>
+#ifdef __CUDACC_RTC__
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+#else
+#include <stdint.h>
+#endif
+
+#define MK_DEVICE __device__ __forceinline__
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+MK_DEVICE float bf16_to_f32(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
+MK_DEVICE uint16_t f32_to_bf16(float f) {
+  __nv_bfloat16 h = __float2bfloat16_rn(f);
+  return *reinterpret_cast<uint16_t*>(&h);
+}
+MK_DEVICE float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// 8 packed bf16 (one 16-byte word) dotted with 8 fp32.
+MK_DEVICE float dot8(uint4 w, const float* x) {
+  float4 a = *reinterpret_cast<const float4*>(x);
+  float4 b = *reinterpret_cast<const float4*>(x + 4);
+  float s;
+  s = __uint_as_float(w.x << 16) * a.x;
+  s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
+  s = fmaf(__uint_as_float(w.y << 16), a.z, s);
+  s = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, s);
+  s = fmaf(__uint_as_float(w.z << 16), b.x, s);
+  s = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, s);
+  s = fmaf(__uint_as_float(w.w << 16), b.z, s);
+  s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);
+  return s;
+}
+
+// ---- cp.async (LDGSTS): 16 bytes global -> shared, L2 only; one commit group per chunk ----
+MK_DEVICE void cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+MK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+MK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+MK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// ---- reductions ----
+MK_DEVICE float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+MK_DEVICE float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Block-wide sum; `scratch` holds >= 32 floats; every thread gets the result.
+MK_DEVICE float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float t = lane < nw ? scratch[lane] : 0.f;
+  return warp_sum(t);
+}
+// (value, index) argmax: larger value wins, ties go to the lower index.
+MK_DEVICE void argmax_merge(float& v, int& i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+}
+MK_DEVICE void warp_argmax(float& v, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    argmax_merge(v, i, ov, oi);
+  }
+}
+
+// ---- grid barrier: one arrival counter + a release flag (epoch) polled read-only ----
+MK_DEVICE unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+MK_DEVICE void st_release(unsigned* p, unsigned v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+MK_DEVICE void grid_barrier(unsigned* count, unsigned* flag, unsigned& epoch) {
+  __syncthreads();
+  epoch++;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned arrived = atomicAdd(count, 1u);
+    if (arrived == gridDim.x - 1) {
+      atomicExch(count, 0u);
+      __threadfence();
+      st_release(flag, epoch);
+    } else {
+      while (ld_acquire(flag) < epoch) { }
+    }
+  }
+  __syncthreads();
+}
+
+// ---- Philox4x32-10 counter-based RNG: same (seed, counter) -> same numbers ----
+MK_DEVICE uint4 philox4x32(uint4 ctr, uint2 key) {
+#pragma unroll
+  for (int r = 0; r < 10; r++) {
+    unsigned hi0 = __umulhi(0xD2511F53u, ctr.x), lo0 = 0xD2511F53u * ctr.x;
+    unsigned hi1 = __umulhi(0xCD9E8D57u, ctr.z), lo1 = 0xCD9E8D57u * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
+    key.x += 0x9E3779B9u;
+    key.y += 0xBB67AE85u;
+  }
+  return ctr;
+}
+// Standard Gumbel noise for (seed, step, token): argmax(logit/T + g) samples softmax(logit/T).
+MK_DEVICE float gumbel(unsigned long long seed, int step, int token) {
+  uint4 r = philox4x32(make_uint4((unsigned)token, (unsigned)step, 0x6d6b6e6cu, 0u),
+                       make_uint2((unsigned)seed, (unsigned)(seed >> 32)));
+  float u = ((r.x >> 8) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+  return -__logf(-__logf(u));
+}

@@ -1,0 +1,47 @@
+// Constants derived from the -D flags emitted by replicas/layout.py (the source of truth).
+// This header only derives and checks; change shapes/padding in layout.py.
+#pragma once
+
+#ifndef MK_H
+#error "compile with the -D flags from replicas.layout.KernelLayout.compile_flags()"
+#endif
+
+constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
+constexpr int kWarps = MK_THREADS / 32;     // warps per block
+constexpr int kQDim = MK_NH * MK_D;
+constexpr int kKVDim = MK_NKV * MK_D;
+constexpr int kQKVRows = kQDim + 2 * kKVDim;
+constexpr int kGroup = MK_NH / MK_NKV;      // query heads per kv head
+constexpr int kHalfD = MK_D / 2;
+constexpr int kDPerLane = MK_D / 32;         // head-dim elements per lane in attention scores
+
+// Units of each streamed matrix: (count, length in elements). A unit is contiguous.
+constexpr long long kUnitsQKV = (long long)kQKVRows * MK_S_QKV;
+constexpr int kLenQKV = MK_HP / MK_S_QKV;
+constexpr long long kUnitsO = (long long)MK_H * MK_S_O;
+constexpr int kLenO = MK_QP / MK_S_O;
+constexpr long long kUnitsGU = MK_I;
+constexpr int kLenGU = 2 * MK_HP;            // gate row then up row
+constexpr long long kUnitsDN = (long long)MK_H * MK_S_DN;
+constexpr int kLenDN = MK_IP / MK_S_DN;
+constexpr long long kUnitsLM = MK_V;
+constexpr int kLenLM = MK_HP;
+
+// Per-layer element strides of the packed matrices.
+constexpr long long kStrideQKV = (long long)kQKVRows * MK_HP;
+constexpr long long kStrideO = (long long)MK_H * MK_QP;
+constexpr long long kStrideGU = (long long)MK_I * 2 * MK_HP;
+constexpr long long kStrideDN = (long long)MK_H * MK_IP;
+
+static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024, "block size");
+static_assert(MK_HP % kChunk == 0 && MK_QP % kChunk == 0 && MK_IP % kChunk == 0, "padding");
+static_assert(kLenQKV % kChunk == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
+static_assert(MK_D % 32 == 0 && MK_D <= 256, "head_dim must be a multiple of 32, at most 256");
+static_assert(MK_NH % MK_NKV == 0, "GQA grouping");
+static_assert(MK_RING >= 2 && MK_RING <= 32, "weight ring depth");
+static_assert(MK_ACT_FLOATS >= MK_HP && MK_ACT_FLOATS >= MK_IP && MK_ACT_FLOATS >= MK_QP, "act buffer");
+static_assert(MK_ACT_FLOATS >= kGroup * MK_D + 2 * MK_D + kGroup * MK_ATTN_TILE + 4 * kGroup, "attn scratch");
+
+// Stream order of one decode step: LM head first (the step starts from the previous hidden
+// state), then per layer QKV, O, GU, DN.
+enum Mat : int { MAT_LM = 0, MAT_QKV = 1, MAT_O = 2, MAT_GU = 3, MAT_DN = 4 };

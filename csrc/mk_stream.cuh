@@ -1,0 +1,107 @@
+// The weight stream: each warp keeps MK_RING 16-byte-per-lane cp.async loads in flight through a
+// ring in shared memory, walking its own contiguous share of every matrix in the order the phases
+// consume them (LM head, then per layer QKV, O, GU, DN, then the next step's LM head...). Weights
+// do not depend on activations, so the ring runs ahead across phase ends and grid barriers: while
+// a warp waits at a barrier its next phase's weights are already arriving.
+#pragma once
+#include "mk_common.cuh"
+#include "mk_layout.cuh"
+
+MK_DEVICE void mat_info(const MkParams& p, int mat, int layer, const uint16_t*& base,
+                        long long& units, int& len) {
+  switch (mat) {
+    case MAT_QKV: base = p.w_qkv + layer * kStrideQKV; units = kUnitsQKV; len = kLenQKV; break;
+    case MAT_O: base = p.w_o + layer * kStrideO; units = kUnitsO; len = kLenO; break;
+    case MAT_GU: base = p.w_gu + layer * kStrideGU; units = kUnitsGU; len = kLenGU; break;
+    case MAT_DN: base = p.w_dn + layer * kStrideDN; units = kUnitsDN; len = kLenDN; break;
+    default: base = p.w_lm; units = kUnitsLM; len = kLenLM; break;
+  }
+}
+
+// This warp's contiguous unit range [u0, u1) of a matrix with `units` units.
+MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long long& u1) {
+  u0 = units * gw / nw;
+  u1 = units * (gw + 1) / nw;
+}
+
+struct WeightStream {
+  uint4* ring;     // this warp's MK_RING slots of 32 x 16 bytes
+  int slot;        // next slot to consume (== next slot to refill)
+  int lane, gw, nw;
+  // producer cursor
+  int mat, layer;
+  const uint16_t* ptr;
+  long long left;  // chunks left in the current run; 0 with mat < 0 => this warp streams nothing
+
+  MK_DEVICE void next_run(const MkParams& p) {
+    for (int tries = 0; tries <= 4 * MK_L + 1; tries++) {
+      if (mat == MAT_LM) { mat = MAT_QKV; layer = 0; }
+      else if (mat == MAT_DN) { if (++layer == MK_L) mat = MAT_LM; else mat = MAT_QKV; }
+      else mat++;
+      const uint16_t* base; long long units, u0, u1; int len;
+      mat_info(p, mat, layer, base, units, len);
+      warp_range(units, gw, nw, u0, u1);
+      if (u1 > u0) { ptr = base + u0 * len; left = (u1 - u0) * (len / kChunk); return; }
+    }
+    mat = -1; left = 0;  // no share anywhere (tiny models on a big grid)
+  }
+
+  MK_DEVICE void issue(const MkParams& p) {
+    if (left > 0) {
+      cp_async16(ring + slot * 32 + lane, ptr + lane * 8);
+      ptr += kChunk;
+      if (--left == 0) next_run(p);
+    }
+    cp_async_commit();  // always one group per slot so wait_group counts stay exact
+  }
+
+  MK_DEVICE void init(const MkParams& p, uint4* warp_ring) {
+    ring = warp_ring; lane = threadIdx.x & 31;
+    gw = blockIdx.x * kWarps + (threadIdx.x >> 5); nw = gridDim.x * kWarps;
+    mat = MAT_DN; layer = MK_L - 1;  // so the first run is the LM head
+    next_run(p);
+    for (slot = 0; slot < MK_RING; slot++) issue(p);
+    slot = 0;
+  }
+
+  // Wait for the oldest chunk, hand this lane's 16 bytes to the caller.
+  MK_DEVICE uint4 take() {
+    cp_async_wait<MK_RING - 1>();
+    return ring[slot * 32 + lane];
+  }
+  // After the taken value has been used: refill the slot with the chunk MK_RING ahead.
+  MK_DEVICE void release(const MkParams& p) {
+    issue(p);
+    slot = (slot + 1 == MK_RING) ? 0 : slot + 1;
+  }
+};
+
+// One matvec phase: this warp's units of matrix MAT dotted with the activation vector in shared
+// memory; `epi(unit, acc0, acc1)` runs on lane 0 for every finished unit (acc1: GU's up row).
+template <int MAT, class Epi>
+MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi) {
+  const uint16_t* base; long long units, u0, u1; int len;
+  mat_info(p, MAT, layer, base, units, len);
+  warp_range(units, st.gw, st.nw, u0, u1);
+  constexpr int kSplit = MAT == MAT_QKV ? MK_S_QKV : MAT == MAT_O ? MK_S_O : MAT == MAT_DN ? MK_S_DN : 1;
+  constexpr int kLen = MAT == MAT_QKV ? kLenQKV : MAT == MAT_O ? kLenO : MAT == MAT_DN ? kLenDN
+                       : MAT == MAT_GU ? kLenGU : kLenLM;
+  constexpr int kChunks = kLen / kChunk;
+  const int lane8 = st.lane * 8;
+  for (long long u = u0; u < u1; u++) {
+    const float* x = s_act + (kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
+    float acc0 = 0.f, acc1 = 0.f;
+    if (MAT == MAT_GU) {
+#pragma unroll 4
+      for (int c = 0; c < kChunks / 2; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
+#pragma unroll 4
+      for (int c = 0; c < kChunks / 2; c++) { acc1 += dot8(st.take(), x + c * kChunk); st.release(p); }
+    } else {
+#pragma unroll 4
+      for (int c = 0; c < kChunks; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
+    }
+    acc0 = warp_sum(acc0);
+    if (MAT == MAT_GU) acc1 = warp_sum(acc1);
+    if (st.lane == 0) epi(u, acc0, acc1);
+  }
+}

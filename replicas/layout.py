@@ -1,0 +1,279 @@
+"""The monokernel's buffer layouts and compile-time constants: the single source of truth.
+
+Everything the CUDA side (csrc/) assumes about shapes, padding, packed weight order and the
+parameter block is decided here and handed to the compiler as `-D` flags plus one generated
+header (`params_header()`); csrc/mk_layout.cuh only derives from and checks those flags.
+
+Weight stream. Each decode step reads, per layer, four packed bf16 matrices and then the LM head:
+
+  qkv [L][q_dim + 2*kv_dim][Hp]   q, k, v projection rows stacked (HF row order)
+  o   [L][hidden][Qp]             o_proj
+  gu  [L][inter][2][Hp]           gate row i then up row i, interleaved so one unit holds both
+  dn  [L][hidden][Ip]             down_proj
+  lm  [vocab][Hp]                 LM head (the embedding itself when tied and Hp == hidden)
+
+Rows are zero-padded to a multiple of CHUNK (256 elements = one 16-byte load per lane of a
+warp). A matrix is cut into *units* (a row, a k-split part of a row, or a gate/up row pair);
+units are dealt to the grid's warps in contiguous, equal-count ranges, so every warp's share of
+a phase is one contiguous run of bytes. The k-split factor per phase is chosen so that the
+largest share is within a few percent of the mean (the phase lasts as long as its largest share).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from replicas.model import ModelConfig
+
+CHUNK = 256  # bf16 elements one warp loads at once (32 lanes x 16 bytes)
+THREADS = 512  # threads per block (16 warps); one block per SM
+WARP_BYTES = CHUNK * 2
+SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on Hopper
+MAX_RING = 32  # weight-ring slots per warp (16-byte cp.async per lane each)
+ATTN_TILE = 64  # KV positions per attention tile (scores staged in shared memory)
+MAX_STOP_IDS = 16
+RED_FLOATS = 96  # block-reduction scratch in shared memory
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+
+# Kernel parameter block: one 8-byte slot per field, in this order (mirrored into C by
+# params_header()). Pointers are device addresses; scalars are int64 or float64 bit patterns.
+PARAM_FIELDS: tuple[tuple[str, str], ...] = (
+    # packed weights (bf16 as uint16)
+    ("w_qkv", "const uint16_t*"), ("w_o", "const uint16_t*"), ("w_gu", "const uint16_t*"),
+    ("w_dn", "const uint16_t*"), ("w_lm", "const uint16_t*"), ("embed", "const uint16_t*"),
+    # small fp32 tensors
+    ("ln1", "const float*"), ("ln2", "const float*"), ("lnf", "const float*"),
+    ("qkv_bias", "const float*"), ("o_bias", "const float*"),
+    ("q_norm", "const float*"), ("k_norm", "const float*"),
+    ("rope_cos", "const float*"), ("rope_sin", "const float*"),
+    # KV cache, bf16 [L][kv_heads][max_ctx][D]
+    ("k_cache", "uint16_t*"), ("v_cache", "uint16_t*"),
+    # activations and partials (fp32)
+    ("xbuf", "float*"), ("qkv_part", "float*"), ("o_part", "float*"), ("h_buf", "float*"),
+    ("dn_part", "float*"), ("attn_out", "float*"), ("attn_m", "float*"), ("attn_l", "float*"),
+    ("attn_o", "float*"), ("attn_cnt", "unsigned*"), ("logits", "float*"),
+    ("best_val", "float*"), ("best_idx", "int*"),
+    # control
+    ("bar_count", "unsigned*"), ("bar_flag", "unsigned*"), ("cancel_step", "int*"),
+    ("tokens", "int*"), ("forced", "const int*"), ("stop_ids", "const int*"),
+    ("host_tokens", "volatile int*"), ("host_ctrl", "volatile int*"), ("shared_token", "int*"),
+    # scalars
+    ("start_pos", "long long"), ("max_steps", "long long"), ("n_stop", "long long"),
+    ("teacher", "long long"), ("mode", "long long"), ("top_k", "long long"),
+    ("seed", "unsigned long long"), ("inv_temperature", "double"), ("top_p", "double"),
+    ("logits_per_step", "long long"),
+)
+
+# host_ctrl slots (int32 in pinned, host-mapped memory)
+CTRL_COUNT, CTRL_STATUS, CTRL_DONE, CTRL_CANCEL, CTRL_STOP_TOKEN = range(5)
+CTRL_WORDS = 8
+# finish status the kernel writes to host_ctrl[CTRL_STATUS]
+STATUS_LENGTH, STATUS_STOP, STATUS_CANCELLED = 1, 2, 3
+# sampling modes
+MODE_GREEDY, MODE_GUMBEL, MODE_TOPKP = 0, 1, 2
+
+
+class LayoutError(ValueError):
+    """The model's shapes cannot be served by this monokernel build."""
+
+
+def round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def choose_split(rows: int, k_padded: int, warps: int) -> int:
+    """Smallest k-split S whose largest per-warp unit count is within 10% of the mean.
+
+    A phase lasts as long as its most loaded warp; splitting rows into S parts makes the units
+    finer (better balance) at the cost of S partial sums for the consumer to add.
+    """
+    best, best_eff = 1, -1.0
+    for s in (1, 2, 4, 8):
+        if k_padded % (s * CHUNK):
+            break
+        units = rows * s
+        eff = (units / warps) / math.ceil(units / warps)
+        if eff >= 0.9:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    """Compile-time shape of one monokernel build (per model, per GPU SM count)."""
+
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    max_ctx: int
+    num_sms: int
+    threads: int = THREADS
+    splits: dict = field(default_factory=dict)  # phase -> k-split factor
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: ModelConfig, max_ctx: int, num_sms: int = 132,
+                    threads: int = THREADS) -> "KernelLayout":
+        if config.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
+                              f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+        if config.group_size * config.head_dim > 4 * threads:
+            raise LayoutError(f"a GQA group of {config.group_size} heads x {config.head_dim} is too wide")
+        if max_ctx < 2:
+            raise LayoutError(f"max_ctx={max_ctx} must be at least 2")
+        base = cls(hidden=config.hidden_size, inter=config.intermediate_size,
+                   layers=config.num_hidden_layers, heads=config.num_attention_heads,
+                   kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                   vocab=config.vocab_size, eps=float(config.rms_norm_eps),
+                   qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=config.qk_norm,
+                   max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads)
+        warps = base.total_warps
+        splits = {
+            "qkv": choose_split(base.qkv_rows, base.hp, warps),
+            "o": choose_split(base.hidden, base.qp, warps),
+            "dn": choose_split(base.hidden, base.ip, warps),
+        }
+        lay = cls(**{**base.__dict__, "splits": splits})
+        if lay.ring_slots < 4:
+            raise LayoutError(f"shapes too large for shared memory ({lay.act_floats} activation floats)")
+        return lay
+
+    # ---- derived shapes -------------------------------------------------------------------
+    @property
+    def hp(self) -> int:
+        return round_up(self.hidden, CHUNK)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qp(self) -> int:
+        return round_up(self.q_dim, CHUNK)
+
+    @property
+    def ip(self) -> int:
+        return round_up(self.inter, CHUNK)
+
+    @property
+    def qkv_rows(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def warps_per_block(self) -> int:
+        return self.threads // 32
+
+    @property
+    def total_warps(self) -> int:
+        return self.num_sms * self.warps_per_block
+
+    @property
+    def attn_floats(self) -> int:
+        """Attention scratch (aliases the activation buffer): q, k/v of the step, scores, stats."""
+        g, d = self.group, self.head_dim
+        return g * d + 2 * d + g * ATTN_TILE + 4 * g
+
+    @property
+    def act_floats(self) -> int:
+        return max(self.hp, self.qp, self.ip, self.attn_floats)
+
+    @property
+    def smem_fixed(self) -> int:
+        return 4 * (self.act_floats + self.hp + RED_FLOATS)
+
+    @property
+    def ring_slots(self) -> int:
+        free = SMEM_LIMIT - self.smem_fixed
+        return min(MAX_RING, free // (self.warps_per_block * WARP_BYTES))
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.smem_fixed + self.ring_slots * self.warps_per_block * WARP_BYTES
+
+    @property
+    def attn_splits_max(self) -> int:
+        """KV-length splits per kv head (one block each); sized so every block has one."""
+        return max(1, self.num_sms // self.kv_heads)
+
+    def packed_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes (uint16 elements) of the packed weight buffers."""
+        L = self.layers
+        return {
+            "w_qkv": (L, self.qkv_rows, self.hp),
+            "w_o": (L, self.hidden, self.qp),
+            "w_gu": (L, self.inter, 2, self.hp),
+            "w_dn": (L, self.hidden, self.ip),
+            "w_lm": (self.vocab, self.hp),
+        }
+
+    def stream_bytes_per_token(self) -> int:
+        return 2 * sum(math.prod(s) for s in self.packed_shapes().values())
+
+    # ---- what the compiler sees -----------------------------------------------------------
+    def compile_flags(self) -> list[str]:
+        s = self.splits
+        defs = {
+            "MK_H": self.hidden, "MK_HP": self.hp, "MK_I": self.inter, "MK_IP": self.ip,
+            "MK_L": self.layers, "MK_NH": self.heads, "MK_NKV": self.kv_heads, "MK_D": self.head_dim,
+            "MK_QP": self.qp, "MK_V": self.vocab, "MK_EPS": f"{self.eps!r}f",
+            "MK_QKV_BIAS": int(self.qkv_bias), "MK_O_BIAS": int(self.o_bias), "MK_QK_NORM": int(self.qk_norm),
+            "MK_MAX_CTX": self.max_ctx, "MK_THREADS": self.threads, "MK_RING": self.ring_slots,
+            "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
+            "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS,
+        }
+        return [f"-D{k}={v}" for k, v in defs.items()]
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Element counts of the fp32 work buffers the kernel's parameter block points to."""
+        s = self.splits
+        nsplit = self.attn_splits_max
+        return {
+            "xbuf": 2 * self.hp,
+            "qkv_part": self.qkv_rows * s["qkv"],
+            "o_part": self.hidden * s["o"],
+            "h_buf": self.ip,
+            "dn_part": self.hidden * s["dn"],
+            "attn_out": self.qp,
+            "attn_m": self.kv_heads * nsplit * self.group,
+            "attn_l": self.kv_heads * nsplit * self.group,
+            "attn_o": self.kv_heads * nsplit * self.group * self.head_dim,
+            "best_val": self.total_warps,
+        }
+
+
+def params_header() -> str:
+    """C declaration of the parameter block, generated from PARAM_FIELDS (one 8-byte slot each)."""
+    lines = ["// generated by replicas/layout.py:params_header(); do not edit", "#pragma once",
+             "#ifdef __CUDACC_RTC__", "typedef unsigned short uint16_t;", "typedef unsigned int uint32_t;",
+             "#else", "#include <stdint.h>", "#endif",
+             "struct __align__(8) MkParams {"]
+    for name, ctype in PARAM_FIELDS:
+        lines.append(f"  {ctype} {name};")
+    lines.append("};")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * len(PARAM_FIELDS)}, \"one 8-byte slot per field\");")
+    consts = {"MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
+              "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
+              "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,
+              "MK_STATUS_CANCELLED": STATUS_CANCELLED, "MK_MODE_GREEDY": MODE_GREEDY,
+              "MK_MODE_GUMBEL": MODE_GUMBEL, "MK_MODE_TOPKP": MODE_TOPKP}
+    lines += [f"#define {k} {v}" for k, v in consts.items()]
+    return "\n".join(lines) + "\n"

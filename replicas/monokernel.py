@@ -1,0 +1,197 @@
+"""The monokernel engine: one persistent CUDA kernel decodes each whole generation on the GPU.
+
+    engine = MonokernelEngine.from_pretrained("ckpt/", devices=[0])
+    for token in engine.generate(prompt_ids, SamplingParams(max_tokens=64)):
+        ...
+
+Per generation: the prompt is prefilled with cuBLAS GEMMs (monokernel_prefill.py), then one
+cooperative launch of csrc/monokernel.cu runs every decode step (LM head, sampling, stop checks,
+all layers) with no host round trip; each sampled token lands in pinned host-mapped memory,
+which the generator polls and yields. Cancel writes a host-mapped flag the kernel reads every
+step. One generation at a time per engine (max_batch = 1); tensor parallelism (devices=[0..N-1])
+and resident small-batch decoding are follow-ups (issues 6 and 9).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Generator as PyGenerator
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.engine import (
+    EngineBusy,
+    FinishReason,
+    Generation,
+    InvalidRequest,
+    SamplingParams,
+    stop_ids,
+    validate_prompt,
+)
+from replicas.model import ModelConfig
+from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable  # noqa: F401 (re-exported)
+
+POLL_SECONDS = 20e-6  # host poll interval for new tokens (a decode step is ~0.6-4 ms)
+TEACHER_PREFILL = 16  # forward_logits prefills this many tokens; the kernel decodes the rest
+_STATUS = {L.STATUS_LENGTH: FinishReason.LENGTH, L.STATUS_STOP: FinishReason.STOP,
+           L.STATUS_CANCELLED: FinishReason.CANCELLED}
+
+
+class MonokernelEngine:
+    """Engine protocol (replicas.engine.Engine) on one GPU, kind="monokernel"."""
+
+    kind = "monokernel"
+    max_batch = 1
+
+    def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0,),
+                 max_context: int | None = None, progress: bool | None = None):
+        devices = list(devices)
+        if len(devices) != 1:
+            raise ValueError(f"devices={devices}: this build decodes on exactly one GPU; tensor "
+                             "parallelism over several GPUs is not implemented yet (issue 6)")
+        if config.dtype not in ("bf16", "fp16", "fp32"):
+            raise ValueError(f"unsupported checkpoint dtype {config.dtype}")
+        self.config = config
+        self.gpu = GpuModel(config, tensors, device=devices[0], max_context=max_context, progress=progress)
+        self.max_context = self.gpu.max_context
+        self.devices = devices
+        from replicas.monokernel_prefill import Prefill
+
+        self._prefill = Prefill(self.gpu)
+        self._busy = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
+                        progress: bool | None = None) -> "MonokernelEngine":
+        from replicas.monokernel_gpu import import_cupy
+        from replicas.weights import load_weights
+
+        import_cupy()  # fail fast with a clear message before reading gigabytes
+        config = ModelConfig.from_pretrained(path)
+        tensors = load_weights(path, config, dtype="raw", progress=progress)
+        return cls(config, tensors, devices=devices, max_context=max_context, progress=progress)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _take(self) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise EngineBusy("the monokernel engine is decoding another generation (max_batch=1); "
+                             "retry when it finishes")
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False):
+        """Prompt -> (last hidden state on the GPU, logits [T, V] on the GPU or None)."""
+        with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
+            return self._prefill.run(list(ids), all_logits=all_logits)
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
+        """Teacher-forced logits [len, V] float32: the first `prefill_len` positions from the
+        prefill path, every later one from the decode kernel fed the given tokens."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidRequest("token_ids is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
+        if len(ids) > self.max_context:
+            raise InvalidRequest(f"{len(ids)} tokens exceed the context window of {self.max_context}")
+        p = max(1, min(prefill_len, len(ids)))
+        self._take()
+        try:
+            cp = self.gpu.cp
+            x_last, head = self.prefill(ids[:p], all_logits=True)
+            rows = [cp.asnumpy(head)]
+            if len(ids) > p:
+                steps = len(ids) - p + 1
+                with cp.cuda.Device(self.gpu.device), self.gpu.stream:
+                    out = cp.empty((steps, self.config.vocab_size), cp.float32)
+                self.gpu.launch(x_last, p, steps, forced=ids[p:], logits=out)
+                self.gpu.synchronize()
+                rows.append(cp.asnumpy(out[1:]))
+            return np.concatenate(rows).astype(np.float32, copy=False)
+        finally:
+            self._busy.release()
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = validate_prompt(prompt_ids, params, self.config, self.max_context)
+        stops = sorted(stop_ids(self.config, params))
+        if len(stops) > L.MAX_STOP_IDS:
+            raise InvalidRequest(f"{len(stops)} stop token ids (with EOS); the monokernel supports at most "
+                                 f"{L.MAX_STOP_IDS}")
+        self._take()
+        release = _Once(self._busy.release)
+        gen = _MkGeneration(lambda cancel: self._steps(ids, params, stops, cancel, release), release)
+        weakref.finalize(gen, release)  # a generation dropped before it started frees the engine
+        return gen
+
+    def _steps(self, ids: list[int], params: SamplingParams, stops: list[int], cancel: threading.Event,
+               release) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
+        gpu = self.gpu
+        launched = False
+        try:
+            if cancel.is_set():
+                return FinishReason.CANCELLED, None
+            budget = min(params.max_tokens, self.max_context - len(ids))
+            x_last, _ = self.prefill(ids)
+            if params.greedy:
+                mode = L.MODE_GREEDY
+            elif params.top_k == 0 and params.top_p >= 1.0:
+                mode = L.MODE_GUMBEL
+            else:
+                mode = L.MODE_TOPKP
+            seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(8), "little") >> 1
+            gpu.launch(x_last, len(ids), budget, mode=mode, temperature=params.temperature,
+                       top_k=params.top_k, top_p=params.top_p, seed=seed, stop_ids=stops)
+            launched = True
+            ctrl, toks = gpu.host_ctrl.array, gpu.host_tokens.array
+            sent = 0
+            while True:
+                if cancel.is_set():
+                    ctrl[L.CTRL_CANCEL] = 1
+                done = ctrl[L.CTRL_DONE] != 0
+                count = int(ctrl[L.CTRL_COUNT])
+                while sent < count:
+                    tok = int(toks[sent])
+                    sent += 1
+                    yield tok
+                if done:
+                    break
+                time.sleep(POLL_SECONDS)
+            gpu.synchronize()
+            launched = False
+            reason = _STATUS.get(int(ctrl[L.CTRL_STATUS]), FinishReason.LENGTH)
+            return reason, (int(ctrl[L.CTRL_STOP_TOKEN]) if reason is FinishReason.STOP else None)
+        finally:
+            if launched:  # closed early: stop the kernel and wait for it before freeing the engine
+                gpu.host_ctrl.array[L.CTRL_CANCEL] = 1
+                gpu.synchronize()
+            release()
+
+
+class _Once:
+    """Calls `fn` at most once (generation end, close(), or garbage collection)."""
+
+    def __init__(self, fn):
+        self._fn, self._lock = fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class _MkGeneration(Generation):
+    def __init__(self, steps, release: _Once):
+        super().__init__(steps)
+        self._release = release
+
+    def close(self) -> None:
+        super().close()
+        self._release()

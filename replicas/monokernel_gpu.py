@@ -1,0 +1,172 @@
+"""GPU state of one monokernel engine: packed weights, KV cache, work buffers, the parameter
+block, host-mapped control memory, and one launch of the persistent kernel.
+
+CuPy only (no torch). One `GpuModel` per GPU; a launch decodes one whole generation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.layout import KernelLayout
+from replicas.model import ModelConfig
+from replicas.monokernel_weights import pack_weights, rope_tables
+
+os.environ.setdefault("CUPY_TF32", "1")  # prefill GEMMs on TF32 tensor cores (read when CuPy loads)
+
+
+class MonokernelUnavailable(RuntimeError):
+    """No usable GPU / CuPy for the monokernel engine."""
+
+
+def import_cupy():
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise MonokernelUnavailable(
+            "the monokernel engine needs CuPy and an NVIDIA GPU: pip install 'monoserve[gpu]' "
+            f"(cupy-cuda13x), or use --engine reference ({e})") from None
+    try:
+        n = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # cudaErrorNoDevice, driver missing, ...
+        raise MonokernelUnavailable(f"no usable CUDA device: {e}; use --engine reference") from None
+    if n == 0:
+        raise MonokernelUnavailable("no CUDA device found; use --engine reference")
+    return cp
+
+
+class MappedInts:
+    """int32 array in pinned, device-mapped host memory: the kernel writes, the host polls."""
+
+    def __init__(self, cp, n: int):
+        rt = cp.cuda.runtime
+        self.nbytes = 4 * n
+        self.host_ptr = rt.hostAlloc(self.nbytes, 2)  # cudaHostAllocMapped
+        self.dev_ptr = rt.hostGetDevicePointer(self.host_ptr, 0) if hasattr(rt, "hostGetDevicePointer") else self.host_ptr
+        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(self.host_ptr))
+        self.array[:] = 0
+        self._rt = rt
+
+    def __del__(self):
+        try:
+            self._rt.freeHost(self.host_ptr)
+        except Exception:
+            pass
+
+
+class GpuModel:
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: int = 0,
+                 max_context: int | None = None, progress: bool | None = None):
+        cp = import_cupy()
+        self.cp, self.config, self.device = cp, config, device
+        self.max_context = int(max_context or min(config.max_context, 8192))
+        with cp.cuda.Device(device):
+            sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms)
+            try:
+                self._allocate(tensors, progress)
+            except cp.cuda.memory.OutOfMemoryError as e:
+                raise MemoryError(
+                    f"out of GPU memory loading {config.architecture} ({self.layout.stream_bytes_per_token() / 1e9:.1f} GB "
+                    f"of weights, max_context={self.max_context}) on device {device}: {e}; lower max_context "
+                    "or use a larger GPU / more GPUs") from None
+            from replicas.monokernel_build import load_module
+
+            t0 = time.perf_counter()
+            self.kernel = load_module(self.layout)
+            self.compile_seconds = time.perf_counter() - t0
+            self.stream = cp.cuda.Stream(non_blocking=True)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _allocate(self, tensors, progress) -> None:
+        cp, lay, c = self.cp, self.layout, self.config
+        total = sum(int(a.nbytes) for a in tensors.values())
+        show = total > 2**30 if progress is None else progress
+        bar = None
+        if show:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, desc="to GPU")
+        try:
+            self.weights = pack_weights(cp, lay, c, tensors, progress=bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        cos, sin = rope_tables(c, self.max_context)
+        self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
+        kv_shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_context, c.head_dim)
+        self.k_cache = cp.zeros(kv_shape, cp.uint16)
+        self.v_cache = cp.zeros(kv_shape, cp.uint16)
+        self.work = {k: cp.zeros(n, cp.float32) for k, n in lay.buffer_sizes().items()}
+        self.best_idx = cp.zeros(lay.total_warps, cp.int32)
+        self.attn_cnt = cp.zeros(c.num_key_value_heads, cp.uint32)
+        self.control = cp.zeros(4, cp.uint32)  # bar_count, bar_flag, cancel_step, shared_token
+        self.tokens = cp.zeros(self.max_context, cp.int32)
+        self.forced = cp.zeros(self.max_context, cp.int32)
+        self.stop_ids = cp.zeros(L.MAX_STOP_IDS, cp.int32)
+        self.logits1 = cp.zeros(c.vocab_size, cp.float32)
+        self.host_tokens = MappedInts(cp, self.max_context)
+        self.host_ctrl = MappedInts(cp, L.CTRL_WORDS)
+        self.params_dev = cp.zeros(len(L.PARAM_FIELDS), cp.uint64)
+
+    # ---- one launch ------------------------------------------------------------------------
+    def launch(self, x_last, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None, logits=None) -> None:
+        """Start the persistent kernel (asynchronously) on `self.stream`.
+
+        x_last: the prompt's last hidden state [H] fp32 (CuPy). forced: teacher-forced tokens
+        (then `logits` [max_steps, V] receives every step's logits).
+        """
+        cp, lay, w = self.cp, self.layout, self.work
+        if len(stop_ids) > L.MAX_STOP_IDS:
+            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids are supported, got {len(stop_ids)}")
+        with cp.cuda.Device(self.device), self.stream:
+            w["xbuf"][:] = 0
+            w["xbuf"][:self.config.hidden_size] = x_last
+            w["dn_part"][:] = 0
+            self.attn_cnt[:] = 0
+            self.control[:] = 0
+            if stop_ids:
+                self.stop_ids[:len(stop_ids)] = cp.asarray(list(stop_ids), cp.int32)
+            if forced is not None and len(forced):
+                self.forced[:len(forced)] = cp.asarray(list(forced), cp.int32)
+            self.host_ctrl.array[:] = 0
+            ctl = self.control.data.ptr
+            ptrs = {
+                **{k: v.data.ptr for k, v in self.weights.items()},
+                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
+                "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
+                **{k: v.data.ptr for k, v in w.items()},
+                "attn_cnt": self.attn_cnt.data.ptr, "best_idx": self.best_idx.data.ptr,
+                "logits": (logits if logits is not None else self.logits1).data.ptr,
+                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
+                "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
+                "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
+            }
+            scalars = {
+                "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
+                "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
+                "inv_temperature": 1.0 / temperature if temperature > 0 else 1.0, "top_p": top_p,
+                "logits_per_step": self.config.vocab_size if logits is not None else 0,
+            }
+            slots = np.zeros(len(L.PARAM_FIELDS), np.uint64)
+            for i, (name, ctype) in enumerate(L.PARAM_FIELDS):
+                if name in ptrs:
+                    slots[i] = ptrs[name]
+                elif ctype == "double":
+                    slots[i] = struct.unpack("<Q", struct.pack("<d", float(scalars[name])))[0]
+                else:
+                    slots[i] = np.uint64(int(scalars[name]) & (2**64 - 1))
+            self.params_dev.set(slots, stream=self.stream)
+            self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()

@@ -1,0 +1,108 @@
+"""Prefill for the monokernel engine: the prompt through cuBLAS GEMMs (CuPy), KV in kernel layout.
+
+The prompt is compute-bound, so it runs as whole-matrix products (fp32 storage, TF32 tensor
+cores when CUPY_TF32=1, which replicas.monokernel sets by default) rather than through the
+decode kernel. Each layer's packed bf16 weights are widened to fp32 just before use. Keys and
+values are rounded to bf16 exactly as the decode kernel stores them, written into the cache
+[L][kv_heads][max_ctx][D], and the attention here uses those rounded values too.
+"""
+
+from __future__ import annotations
+
+import math
+
+QUERY_BLOCK = 1024  # query rows per attention block: bounds the score buffer
+
+
+def _kernels(cp):
+    widen = cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
+                                 "mk_bf16_to_f32")
+    narrow = cp.ElementwiseKernel(
+        "float32 x", "uint16 y",
+        "unsigned int u = __float_as_uint(x); y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)",
+        "mk_f32_to_bf16")
+    return widen, narrow
+
+
+class Prefill:
+    """Runs prompts through the packed weights of one `GpuModel` (see monokernel_gpu.py)."""
+
+    def __init__(self, model, xp=None):
+        """xp: the array module (cupy by default; numpy runs the same math on the CPU for tests)."""
+        if xp is None:
+            import cupy as xp
+        self.cp = xp
+        self.m = model
+        if xp.__name__ == "numpy":
+            from replicas.monokernel_weights import to_bf16_bits, to_f32
+
+            self.widen, self.narrow = (lambda a: to_f32(xp, a)), (lambda a: to_bf16_bits(xp, a))
+        else:
+            self.widen, self.narrow = _kernels(xp)
+
+    def _f32(self, bits):
+        return self.widen(bits)
+
+    def _rms(self, x, w):
+        cp = self.cp
+        ms = cp.mean(x * x, axis=-1, keepdims=True)
+        return x * (1.0 / cp.sqrt(ms + self.m.config.rms_norm_eps)) * w
+
+    def _rope(self, x, cos, sin):
+        h = x.shape[-1] // 2
+        a, b = x[..., :h], x[..., h:]
+        return self.cp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    def run(self, ids, all_logits: bool = False):
+        """Prompt `ids` (positions 0..T-1) -> (last hidden state [H] fp32, logits [T, V] or None)."""
+        cp, m = self.cp, self.m
+        c, w = m.config, m.weights
+        T = len(ids)
+        H, Q, KV, I, D = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim
+        NH, NKV, G = c.num_attention_heads, c.num_key_value_heads, c.group_size
+        ids_d = cp.asarray(ids, dtype=cp.int64)  # noqa: F841 (gather index)
+        x = self._f32(w["embed"][ids_d])  # [T, H]
+        cos = m.rope_cos[:T][:, None, :]
+        sin = m.rope_sin[:T][:, None, :]
+        scale = 1.0 / math.sqrt(D)
+        causal = cp.arange(T)[None, :] > cp.arange(T)[:, None]  # [T, T] True = masked
+        for n in range(c.num_hidden_layers):
+            h = self._rms(x, w["ln1"][n])
+            qkv = h @ self._f32(w["w_qkv"][n, :, :H]).T
+            if c.qkv_bias:
+                qkv += w["qkv_bias"][n]
+            q = qkv[:, :Q].reshape(T, NH, D)
+            k = qkv[:, Q:Q + KV].reshape(T, NKV, D)
+            v = qkv[:, Q + KV:].reshape(T, NKV, D)
+            if c.qk_norm:
+                q = self._rms(q, w["q_norm"][n])
+                k = self._rms(k, w["k_norm"][n])
+            q = self._rope(q, cos, sin) * scale
+            k_bits = self.narrow(self._rope(k, cos, sin))
+            v_bits = self.narrow(v)
+            m.k_cache[n, :, :T, :] = k_bits.transpose(1, 0, 2)
+            m.v_cache[n, :, :T, :] = v_bits.transpose(1, 0, 2)
+            kf = self._f32(k_bits).transpose(1, 0, 2)  # [NKV, T, D]
+            vf = self._f32(v_bits).transpose(1, 0, 2)
+            # GQA: query head j uses kv head j // G; group the G heads of a kv head as extra rows.
+            qg = q.reshape(T, NKV, G, D).transpose(1, 2, 0, 3)  # [NKV, G, T, D]
+            attn = cp.empty((NKV, G, T, D), cp.float32)
+            for s in range(0, T, QUERY_BLOCK):
+                e = min(T, s + QUERY_BLOCK)
+                sc = qg[:, :, s:e] @ kf[:, None].transpose(0, 1, 3, 2)  # [NKV, G, b, T]
+                sc = cp.where(causal[s:e][None, None], -cp.inf, sc)
+                sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
+                sc /= sc.sum(axis=-1, keepdims=True)
+                attn[:, :, s:e] = sc @ vf[:, None]
+            attn = attn.transpose(2, 0, 1, 3).reshape(T, Q)
+            x += attn @ self._f32(w["w_o"][n, :, :Q]).T
+            if c.o_bias:
+                x += w["o_bias"][n]
+            h = self._rms(x, w["ln2"][n])
+            gu = (h @ self._f32(w["w_gu"][n, :, :, :H]).reshape(2 * I, H).T).reshape(T, I, 2)
+            g, u = gu[..., 0], gu[..., 1]
+            x += (g / (1.0 + cp.exp(-g)) * u) @ self._f32(w["w_dn"][n, :, :I]).T
+        logits = None
+        if all_logits:
+            logits = self._rms(x, w["lnf"]) @ self._f32(w["w_lm"][:, :H]).T
+        return x[-1].copy(), logits

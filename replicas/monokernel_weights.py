@@ -1,0 +1,100 @@
+"""Re-laying a checkpoint's tensors out once, at load, in the monokernel's packed order.
+
+Written against an array module `xp` (numpy in CPU tests, cupy on the GPU) so the same code
+that the unit tests check is the code that fills GPU memory. See replicas/layout.py for the
+packed shapes and why rows are padded and gate/up interleaved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from replicas.layout import KernelLayout
+from replicas.model import ModelConfig
+
+Array = Any  # numpy.ndarray or cupy.ndarray
+
+
+def to_bf16_bits(xp, a: Array) -> Array:
+    """Any stored weight (bf16 bits as uint16, fp16, fp32) -> bf16 bit patterns (uint16), RNE."""
+    a = xp.asarray(a)
+    if a.dtype == xp.uint16:
+        return a
+    u = a.astype(xp.float32).view(xp.uint32)
+    return ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+
+
+def to_f32(xp, a: Array) -> Array:
+    """Stored weight (bf16 bits as uint16, fp16, fp32) -> float32 (exact)."""
+    a = xp.asarray(a)
+    if a.dtype == xp.uint16:
+        return (a.astype(xp.uint32) << 16).view(xp.float32)
+    return a.astype(xp.float32)
+
+
+def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping[str, Array],
+                 progress: Callable[[int], None] | None = None) -> dict[str, Array]:
+    """Packed bf16 matrices + fp32 small tensors, keyed by MkParams field name.
+
+    `tensors` are HF-named arrays as `replicas.weights.load_weights(..., dtype="raw")` returns.
+    progress(nbytes) is called after each big tensor is placed.
+    """
+    c, lay = config, layout
+    H, Q, KV, I, D, L = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim, c.num_hidden_layers
+    shapes = lay.packed_shapes()
+    out: dict[str, Array] = {}
+    done = progress or (lambda n: None)
+
+    def big(name: str) -> Array:
+        a = to_bf16_bits(xp, tensors[name])
+        done(int(a.nbytes))
+        return a
+
+    out["w_qkv"] = xp.zeros(shapes["w_qkv"], xp.uint16)
+    out["w_o"] = xp.zeros(shapes["w_o"], xp.uint16)
+    out["w_gu"] = xp.zeros(shapes["w_gu"], xp.uint16)
+    out["w_dn"] = xp.zeros(shapes["w_dn"], xp.uint16)
+    small = {k: xp.zeros(s, xp.float32) for k, s in {
+        "ln1": (L, H), "ln2": (L, H), "lnf": (H,), "qkv_bias": (L, lay.qkv_rows), "o_bias": (L, H),
+        "q_norm": (L, D), "k_norm": (L, D)}.items()}
+    for n in range(L):
+        p = f"model.layers.{n}."
+        a = p + "self_attn."
+        out["w_qkv"][n, :Q, :H] = big(a + "q_proj.weight")
+        out["w_qkv"][n, Q:Q + KV, :H] = big(a + "k_proj.weight")
+        out["w_qkv"][n, Q + KV:, :H] = big(a + "v_proj.weight")
+        out["w_o"][n, :, :Q] = big(a + "o_proj.weight")
+        out["w_gu"][n, :, 0, :H] = big(p + "mlp.gate_proj.weight")
+        out["w_gu"][n, :, 1, :H] = big(p + "mlp.up_proj.weight")
+        out["w_dn"][n, :, :I] = big(p + "mlp.down_proj.weight")
+        small["ln1"][n] = to_f32(xp, tensors[p + "input_layernorm.weight"])
+        small["ln2"][n] = to_f32(xp, tensors[p + "post_attention_layernorm.weight"])
+        if c.qkv_bias:
+            small["qkv_bias"][n] = xp.concatenate([to_f32(xp, tensors[a + f"{x}_proj.bias"]) for x in "qkv"])
+        if c.o_bias:
+            small["o_bias"][n] = to_f32(xp, tensors[a + "o_proj.bias"])
+        if c.qk_norm:
+            small["q_norm"][n] = to_f32(xp, tensors[a + "q_norm.weight"])
+            small["k_norm"][n] = to_f32(xp, tensors[a + "k_norm.weight"])
+    small["lnf"][:] = to_f32(xp, tensors["model.norm.weight"])
+    out.update(small)
+
+    embed = xp.ascontiguousarray(big("model.embed_tokens.weight"))
+    out["embed"] = embed
+    head = embed if c.tie_word_embeddings else big("lm_head.weight")
+    if lay.hp == H:
+        out["w_lm"] = xp.ascontiguousarray(head)  # tied + unpadded: the embedding is the LM head
+    else:
+        out["w_lm"] = xp.zeros(shapes["w_lm"], xp.uint16)
+        out["w_lm"][:, :H] = head
+    return out
+
+
+def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_ctx, head_dim/2] float32, computed as HF does (fp32 angle = pos * inv_freq)."""
+    inv = config.rope_inv_freq().astype(np.float32)
+    ang = np.arange(max_ctx, dtype=np.float32)[:, None] * inv[None, :]
+    return np.cos(ang.astype(np.float64)).astype(np.float32), np.sin(ang.astype(np.float64)).astype(np.float32)
