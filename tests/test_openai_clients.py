@@ -197,6 +197,7 @@ def test_grpc_reflection_lists_the_services(stack):
 
 def test_chat_stop_string_streamed_and_kept(client, stack):
     _, text = stack.greedy(stack.chat_ids(CHAT), 16)
+    assert len(text) >= 8, "precondition: enough output to pick a stop from"
     stop = text[5:7]
     expected = text[:text.find(stop)]
     kw = dict(model=stack.model, messages=CHAT, max_tokens=16, temperature=0, stop=stop)
@@ -205,3 +206,19 @@ def test_chat_stop_string_streamed_and_kept(client, stack):
     assert streamed[-1].choices[0].finish_reason == "stop"
     kept = client.chat.completions.create(**kw, extra_body={"include_stop_str_in_output": True})
     assert kept.choices[0].message.content == expected + stop
+
+
+def test_responses_are_not_held_back_by_nagle(stack):
+    """Headers and body are separate writes: without TCP_NODELAY each response waits ~40 ms for
+    the client's delayed ACK (and so would every SSE event)."""
+    import statistics
+    import time
+
+    with httpx.Client() as c:
+        c.get(f"{stack.base_url}/models")
+        times = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            assert c.get(f"{stack.base_url}/models").status_code == 200
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.02, f"median round trip {statistics.median(times) * 1e3:.1f} ms"
