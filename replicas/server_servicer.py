@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0  # WatchLoad re-sends the current load this often when nothing changes
 UNHEALTHY_AFTER = 3  # consecutive engine failures before readiness turns NOT_SERVING
+PROBE_INTERVAL_S = 2.0  # while unhealthy, a 1-token probe generation this often; success = healthy again
 
 _FINISH = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -86,6 +87,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self._ids = itertools.count(1)
         self._executor = ThreadPoolExecutor(max_workers=engine.max_batch + 2, thread_name_prefix="replica-gen")
         self._failures = 0  # consecutive engine failures
+        self.probe_interval_s = PROBE_INTERVAL_S
+        self._probe_task: asyncio.Task | None = None
         self._on_health_change = on_health_change  # async callable(healthy: bool)
 
     # ---- Generate ------------------------------------------------------------------------
@@ -230,7 +233,28 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             self.load.set_healthy(healthy)
             if self._on_health_change is not None:
                 asyncio.ensure_future(self._on_health_change(healthy))
+            if not healthy and self._probe_task is None:
+                self._probe_task = asyncio.ensure_future(self._probe_until_healthy())
         run.queue.put_nowait(end)
+
+    async def _probe_until_healthy(self) -> None:
+        """Routers send nothing to an unhealthy replica, so it tests itself: a 1-token generation
+        every probe interval; the first success (via _finished) makes it healthy again."""
+        probe = SamplingParams(max_tokens=1, ignore_eos=True)
+        prompt = [self.engine.config.bos_token_id or 0]
+        try:
+            while not self.load.healthy and not self.load.closed:
+                await asyncio.sleep(self.probe_interval_s)
+                if self.load.draining or not self.load.has_free_slot():
+                    continue
+                run = Running(f"health-probe-{next(self._ids)}", asyncio.Queue())
+                self.running[run.request_id] = run
+                self.load.admit(run.request_id, 1)
+                self._executor.submit(self._worker, asyncio.get_running_loop(), run, prompt, probe)
+                while (await run.queue.get())[0] == "token":
+                    pass
+        finally:
+            self._probe_task = None
 
     # ---- Abort, WatchLoad, GetInfo -------------------------------------------------------
     async def Abort(self, request: replica_pb2.ReplicaAbortRequest, context) -> replica_pb2.ReplicaAbortResponse:

@@ -268,19 +268,23 @@ def test_engine_crash_mid_stream_is_internal_and_the_server_keeps_serving(serve)
     assert len(collect(stub.Generate(gen_request(max_tokens=4)))[0]) == 4
 
 
-def test_repeated_engine_failures_turn_readiness_off(serve):
+def test_repeated_engine_failures_turn_readiness_off_until_a_probe_succeeds(serve):
     engine = PacedEngine(tokens_per_s=5000, fail_after=0)
     server, stub = serve(engine)
-    watch = stub.WatchLoad(replica_pb2.WatchLoadRequest())
-    assert next(watch).healthy
+    server.servicer.probe_interval_s = 0.05
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    ready = lambda: health.Check(health_pb2.HealthCheckRequest(service="monoserve.v1.Replica")).status  # noqa: E731
     for _ in range(3):
         with pytest.raises(grpc.RpcError):
             collect(stub.Generate(gen_request(max_tokens=2)))
-    assert wait_for(lambda: not next(watch).healthy)
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-    status = health.Check(health_pb2.HealthCheckRequest(service="monoserve.v1.Replica")).status
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-    watch.cancel()
+    assert wait_for(lambda: not server.load().healthy)
+    assert ready() == health_pb2.HealthCheckResponse.NOT_SERVING
+    time.sleep(0.2)  # probes keep failing while the engine is broken
+    assert not server.load().healthy
+    engine.fail_after = None  # the engine recovers: the next self-probe makes the replica ready again
+    assert wait_for(lambda: server.load().healthy, 2.0)
+    assert ready() == health_pb2.HealthCheckResponse.SERVING
+    assert len(collect(stub.Generate(gen_request(max_tokens=3)))[0]) == 3
 
 
 def test_health_reflection_and_info(serve):
