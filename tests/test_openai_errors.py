@@ -174,7 +174,7 @@ def test_no_replica_is_503(tiny_checkpoint):
     s = Stack(tiny_checkpoint, replicas=0)
     try:
         r = post(s, "/completions", {"model": s.model, "prompt": "hi"})
-        assert_openai_error(r, 503, "no replica", "service_unavailable_error")
+        assert_openai_error(r, 503, "replica", "service_unavailable_error")
     finally:
         s.close()
 
