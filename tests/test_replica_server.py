@@ -273,7 +273,7 @@ def test_repeated_engine_failures_turn_readiness_off_until_a_probe_succeeds(serv
     server, stub = serve(engine)
     server.servicer.probe_interval_s = 0.05
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
-    ready = lambda: health.Check(health_pb2.HealthCheckRequest(service="monoserve.v1.Replica")).status  # noqa: E731
+    ready = lambda: health.Check(health_pb2.HealthCheckRequest(service="monoserve.v1.Replica")).status
     for _ in range(3):
         with pytest.raises(grpc.RpcError):
             collect(stub.Generate(gen_request(max_tokens=2)))
