@@ -7,8 +7,9 @@ chunk at a time (bounded memory) from a per-tensor seeded RNG, so a seed reprodu
 
 Initialisation keeps activations O(1) through every layer and makes logits clearly peaked:
 projections ~ N(0, 1/fan_in); the residual-branch outputs (o_proj, down_proj) are further scaled
-by 1/sqrt(2 * layers) so the residual stream stays near unit RMS; norm weights ~ 1 + N(0, 0.1²);
-the LM head (or the tied embedding) gives logits of standard deviation ~LOGIT_STD.
+by 1/sqrt(2 * layers) so the residual stream's RMS stays bounded (near 1; 16 with tied
+embeddings, see _init_spec); norm weights ~ 1 + N(0, 0.1²); the LM head (or the tied embedding)
+gives logits of standard deviation ~LOGIT_STD.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import functools
 import json
 import math
 import zlib
-from statistics import NormalDist
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import ml_dtypes
@@ -29,7 +30,7 @@ from replicas.presets import GENERATION, PRESETS, TOKENIZER_STYLE
 from replicas.tokenizer_gen import write_tokenizer
 from replicas.weights import INDEX_FILE, SINGLE_FILE, expected_tensors
 
-__all__ = ["PRESETS", "make_checkpoint", "preset_config", "write_metadata", "DTYPES"]
+__all__ = ["DTYPES", "PRESETS", "make_checkpoint", "preset_config", "write_metadata"]
 
 # --dtype spelling -> (safetensors tag, config.json torch_dtype, numpy dtype written)
 DTYPES = {
@@ -40,6 +41,7 @@ DTYPES = {
 SHARD_BYTES = 4 * 10**9  # checkpoints above this are split into shards of at most this size
 CHUNK_ELEMENTS = 32 * 2**20  # elements generated at a time: bounds memory to ~300 MB
 LOGIT_STD = 4.0  # target std of the logits over the vocabulary (peaked, not one-hot)
+TIED_RESIDUAL_RMS = 4 * LOGIT_STD  # input token's own logit ~ LOGIT_STD² / this: no echo
 NORM_JITTER = 0.1  # norm weights are 1 + N(0, NORM_JITTER²): exercises them without scaling away
 BIAS_STD = 0.1
 
@@ -146,7 +148,11 @@ def _init_spec(name: str, shape: tuple[int, ...], config: ModelConfig) -> tuple[
         return 0.0, 1.0
     std = 1.0 / math.sqrt(shape[1])  # [out, in]: fan_in = in
     if name.endswith(("o_proj.weight", "down_proj.weight")):
-        std /= math.sqrt(2 * config.num_hidden_layers)
+        # 2 * layers branches add up to a residual stream of RMS ~residual_rms. With tied
+        # embeddings the stream must dwarf the (small) embedding row, or each position's logits
+        # peak at its own input token (the model would only echo).
+        residual_rms = TIED_RESIDUAL_RMS if config.tie_word_embeddings else 1.0
+        std *= residual_rms / math.sqrt(2 * config.num_hidden_layers)
     return 0.0, std
 
 

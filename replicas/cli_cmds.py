@@ -129,7 +129,7 @@ def generate_local(args: argparse.Namespace, out=None, err=None) -> int:
         return _fail(f"{tokenizer_file} not found: --model must be a checkpoint directory with a tokenizer")
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+    except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed JSON)
         return _fail(f"{tokenizer_file} is not a valid tokenizer.json: {e}")
     try:
         from replicas.reference import ReferenceEngine

@@ -14,7 +14,14 @@ import string
 from collections.abc import Iterator
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.pre_tokenizers import ByteLevel
 
 # Chat templates (Jinja, as in tokenizer_config.json). Roles: system, user, assistant, tool.

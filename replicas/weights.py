@@ -151,7 +151,7 @@ def locate_tensors(path: str | Path) -> dict[str, TensorEntry]:
     if not index_file.is_file():
         present = sorted(p.name for p in path.iterdir())
         hint = " (PyTorch .bin weights must be converted to safetensors)" if any(
-            p.endswith(".bin") or p.endswith(".pt") for p in present) else ""
+            p.endswith((".bin", ".pt")) for p in present) else ""
         raise CheckpointError(
             f"{path}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE} is there{hint}; found: "
             + (", ".join(present[:20]) or "nothing")
@@ -199,7 +199,7 @@ def validate(entries: dict[str, TensorEntry], config: ModelConfig, where: str) -
             "the weights do not match config.json"
         )
     if extra:
-        first = sorted(extra)[0]
+        first = min(extra)
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(
             f"{entries[first].file}: unexpected tensor '{first}'{more} that config.json "

@@ -119,15 +119,25 @@ def test_weights_are_scaled(tiny_checkpoint):
     assert abs(q.mean()) < 0.01
 
 
-def test_logits_are_peaked_not_uniform(tiny_checkpoint):
-    reference = pytest.importorskip("replicas.reference")
-    engine = reference.ReferenceEngine.from_pretrained(tiny_checkpoint)
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_are_peaked_not_uniform_and_not_an_echo(tmp_path, monkeypatch, tiny_checkpoint, tied):
+    from replicas.reference import ReferenceEngine
+
+    path = tiny_checkpoint
+    if tied:  # the tiny shapes with a tied head, like the Llama 3.2 and Qwen presets
+        for table in (checkpoint.PRESETS, checkpoint.GENERATION, checkpoint.TOKENIZER_STYLE):
+            monkeypatch.setitem(table, "tiny-tied", table["tiny"])
+        monkeypatch.setitem(PRESETS, "tiny-tied", dict(PRESETS["tiny"], tie_word_embeddings=True))
+        path = make_checkpoint("tiny-tied", tmp_path)
     ids = np.random.default_rng(0).integers(0, 2000, 48).tolist()
-    logits = engine.forward_logits(ids)
+    logits = ReferenceEngine.from_pretrained(path).forward_logits(ids)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     assert p.max(-1).mean() > 0.2  # uniform would be 1/2048
     assert np.all(np.isfinite(logits)) and logits.std(-1).mean() < 10
+    top1 = logits.argmax(-1)
+    assert np.mean(top1 == ids) < 0.1  # a position does not just predict its own input token
+    assert len(set(top1.tolist())) > len(ids) // 2  # nor one token everywhere
 
 
 def test_bad_arguments(tmp_path):

@@ -122,8 +122,8 @@ def test_scaling_without_factor_is_refused():
 
 
 @pytest.mark.parametrize("over,message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, r"architectures=\['GPT2LMHeadModel'\] is not supported; supported: "
-                                              r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"),
+    ({"architectures": ["GPT2LMHeadModel"]}, (r"architectures=\['GPT2LMHeadModel'\] is not supported; supported: "
+                                              r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM")),
     ({"architectures": None}, r"architectures=\[\] is not supported"),
     ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; supported: 'silu'"),
     ({"mlp_bias": True}, r"mlp_bias=true is not supported"),

@@ -38,10 +38,10 @@ def clone(src, dst, mutate=None, config_update=None):
 
 
 def test_expected_tensors_cover_every_option():
-    cfg = ModelConfig.from_hf_dict(dict(
-        architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        attention_bias=True, tie_word_embeddings=True))
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "attention_bias": True, "tie_word_embeddings": True})
     want = expected_tensors(cfg)
     assert want["model.layers.1.self_attn.q_proj.weight"] == (64, 32)
     assert want["model.layers.1.self_attn.k_proj.bias"] == (32,)
