@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EngineKind = Literal["auto", "reference", "monokernel", "paced"]
 
@@ -92,6 +92,12 @@ class ClusterConfig(_Section):
     router: RouterSettings = RouterSettings()
     autoscaling: AutoscalingSettings = AutoscalingSettings()
     ray: RaySettings = RaySettings()
+
+    @field_validator("model")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        # replicas run in other processes/nodes: a relative path means relative to where `up` runs
+        return None if v is None else (Path.cwd() / v.expanduser()).absolute()
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":

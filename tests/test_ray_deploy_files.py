@@ -1,0 +1,61 @@
+"""The shipped deployment files parse and carry arguments our code accepts."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import ClusterConfig
+
+with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from deploy.serve_app import GRPC_SERVICER, ServeAppArgs, build_app
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+
+
+def serve_configs():
+    yield "serve.yaml", yaml.safe_load((DEPLOY / "serve.yaml").read_text())
+    manifest = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    assert manifest["kind"] == "RayService" and manifest["apiVersion"] == "ray.io/v1"
+    yield "kuberay-rayservice.yaml", yaml.safe_load(manifest["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("name, config", list(serve_configs()))
+def test_serve_configs_use_our_app_and_grpc_servicer(name, config):
+    assert config["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
+    (app,) = config["applications"]
+    assert app["import_path"] == "deploy.serve_app:build_app"
+    args = ServeAppArgs.model_validate(app["args"])
+    assert args.gpus_per_replica == 8
+
+
+def test_kuberay_workers_are_whole_8_gpu_nodes():
+    manifest = yaml.safe_load((DEPLOY / "kuberay-rayservice.yaml").read_text())
+    (group,) = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_cluster_launcher_yaml_has_8_gpu_worker_nodes():
+    cfg = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    workers = [t for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]]
+    assert workers and all(t["resources"]["GPU"] == 8 for t in workers)
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-local.yaml"])
+def test_cluster_configs_validate(name):
+    cfg = ClusterConfig.from_yaml(DEPLOY / name)
+    assert cfg.replicas.gpus_per_replica == 8
+
+
+def test_build_app_rejects_bad_arguments_by_name():
+    with pytest.raises(ValueError, match="num_replicas: Input should be greater than or equal to 1"):
+        build_app({"model": "/m", "num_replicas": 0})
+    with pytest.raises(ValueError, match="model is required"):
+        build_app({})
+    with pytest.raises(ValueError, match="tensor_parallel_size \\(3\\) must divide gpus_per_replica \\(8\\)"):
+        build_app({"model": "/m", "tensor_parallel_size": 3})
+    with pytest.raises(ValueError, match="gpu_per_replica: Extra inputs are not permitted"):
+        build_app({"model": "/m", "gpu_per_replica": 8})

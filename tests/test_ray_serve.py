@@ -1,0 +1,106 @@
+"""The Ray Serve application on a real local Ray cluster: streaming gRPC through Serve's proxy,
+engine replicas in 8-GPU placement groups, our latency-aware request router."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import grpc
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.launcher import worker_runtime_env  # noqa: E402
+from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+
+# Ray Serve's own pydantic models emit deprecation warnings on import; not ours to fix.
+pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+METADATA = (("application", "monoserve"),)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_app(tiny_checkpoint):
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    from deploy.serve_app import APP_NAME, GRPC_SERVICER, build_app
+
+    ray.init(num_cpus=4, num_gpus=16, include_dashboard=False, runtime_env=worker_runtime_env(),
+             log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
+                grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[GRPC_SERVICER]))
+    app = build_app({"model": str(tiny_checkpoint), "engine": "reference", "num_replicas": 2,
+                     "cpus_per_replica": 0.1, "ingress_cpus": 0.1, "routing_stats_period_s": 0.2})
+    serve.run(app, name=APP_NAME, route_prefix="/monoserve")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield inference_pb2_grpc.InferenceStub(channel)
+    channel.close()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def stream(stub, **fields):
+    req = inference_pb2.GenerateRequest(**fields)
+    chunks, final = [], None
+    for msg in stub.Generate(req, metadata=METADATA, timeout=60):
+        if msg.HasField("chunk"):
+            chunks.append(msg.chunk)
+        else:
+            final = msg.final
+    return chunks, final
+
+
+def test_streams_the_reference_engines_greedy_tokens_and_text(serve_app, tiny_checkpoint):
+    from replicas.engine import SamplingParams
+    from replicas.reference import ReferenceEngine
+    from router.detokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_pretrained(tiny_checkpoint)
+    prompt = "Hello from Ray Serve"
+    chunks, final = stream(serve_app, text=prompt, sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True))
+    ids = [t for c in chunks for t in c.token_ids]
+    expected = list(ReferenceEngine.from_pretrained(tiny_checkpoint).generate(
+        tok.encode(prompt), SamplingParams(max_tokens=12, ignore_eos=True)))
+    assert len(chunks) >= 12 and ids == expected  # one chunk per token: it streams
+    assert "".join(c.text for c in chunks) == tok.decode(expected)
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 12 and final.usage.prompt_tokens == len(tok.encode(prompt))
+    assert final.replica_id and final.timings.ttft_ms > 0
+
+
+def test_concurrent_requests_go_to_idle_replicas(serve_app):
+    results = []
+
+    def one(i):
+        results.append(stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[5, 6, i]),
+                              sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and all(f.usage.completion_tokens == 400 for _, f in results)
+    assert len({f.replica_id for _, f in results}) == 2  # one each: idle replicas first
+
+
+def test_bad_request_is_invalid_argument_naming_the_problem(serve_app):
+    with pytest.raises(grpc.RpcError) as err:
+        stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[1, 999999]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in err.value.details()
+
+
+def test_list_models(serve_app, tiny_checkpoint):
+    reply = serve_app.ListModels(inference_pb2.ListModelsRequest(), metadata=METADATA, timeout=10)
+    assert [m.id for m in reply.models] == [tiny_checkpoint.name]
+    assert reply.models[0].vocab_size == 2048
