@@ -137,21 +137,34 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
     async def _stream(self, run: Running, slot: Slot, prompt_tokens: int, context):
         first_at = last_at = None
         outcome = "cancelled"
+        pending = None  # a non-token item read while collecting tokens
         try:
             while True:
-                kind, value, t = await run.queue.get()
+                kind, value, t = pending or await run.queue.get()
+                pending = None
                 if kind == "token":
-                    if first_at is None:
-                        first_at = t
-                        self.metrics.ttft.observe(t - run.started_at)
-                        self.load.observe_prefill(t - run.engine_started_at, prompt_tokens)
-                    else:
-                        self.metrics.tpot.observe(t - last_at)
-                        self.load.observe_tpot(t - last_at)
-                    last_at = t
-                    slot.produced += 1
-                    self.metrics.tokens.inc()
-                    yield replica_pb2.ReplicaGenerateResponse(chunk=replica_pb2.ReplicaChunk(token_ids=[value]))
+                    # Each token is sent as soon as it exists; only tokens that piled up while the
+                    # previous send was in flight (a slow consumer) share a chunk. Never waits.
+                    ids = []
+                    while True:
+                        if first_at is None:
+                            first_at = t
+                            self.metrics.ttft.observe(t - run.started_at)
+                            self.load.observe_prefill(t - run.engine_started_at, prompt_tokens)
+                        else:
+                            self.metrics.tpot.observe(t - last_at)
+                            self.load.observe_tpot(t - last_at)
+                        last_at = t
+                        ids.append(value)
+                        if run.queue.empty():
+                            break
+                        kind, value, t = run.queue.get_nowait()
+                        if kind != "token":
+                            pending = (kind, value, t)
+                            break
+                    slot.produced += len(ids)
+                    self.metrics.tokens.inc(len(ids))
+                    yield replica_pb2.ReplicaGenerateResponse(chunk=replica_pb2.ReplicaChunk(token_ids=ids))
                 elif kind == "done":
                     gen: Generation = value
                     reason = _FINISH[gen.finish_reason or FinishReason.CANCELLED]

@@ -378,3 +378,13 @@ def test_port_in_use_is_a_clear_oserror(serve):
     with pytest.raises(OSError, match="cannot bind gRPC address .* pick another port"):
         second.start()
     second.stop()  # a server that never started stops as a no-op
+
+
+def test_a_reader_slower_than_the_engine_gets_the_backlog_in_fewer_chunks_without_loss(serve):
+    engine = PacedEngine(tokens_per_s=1e6)  # far faster than one gRPC message per token can go
+    _, stub = serve(engine)
+    chunks = [list(m.chunk.token_ids) for m in stub.Generate(gen_request(max_tokens=3000, ignore_eos=True))
+              if m.HasField("chunk")]
+    tokens = [t for c in chunks for t in c]
+    assert tokens == list(PacedEngine(tokens_per_s=1e6).generate([5, 6, 7], SamplingParams(max_tokens=3000)))
+    assert len(chunks) < len(tokens)
