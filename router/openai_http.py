@@ -17,6 +17,7 @@ one set of metrics. Started by `RouterServer(http_port=...)` through `start_http
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -126,14 +127,24 @@ class _SSEResponse(StreamingResponse):
 
         task = asyncio.ensure_future(pump())
         watch = asyncio.ensure_future(_wait_disconnect(receive))
+        shutting_down = False
         try:
             await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the server is stopping and its grace period is over
+            shutting_down = True
         finally:
             watch.cancel()
             if not task.done():
                 task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await self.events.aclose()  # ends the router call (and the replica's) if still running
+        if shutting_down:
+            # Tell the client why its stream ends, instead of just dropping the connection.
+            error = HTTPError(503, "the server is shutting down: retry on another router", "service_unavailable_error")
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": _sse(error.payload()), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         if task.done() and not task.cancelled() and task.exception() is not None \
                 and not isinstance(task.exception(), OSError):  # OSError: the client went away
             raise task.exception()

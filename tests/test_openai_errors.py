@@ -238,3 +238,24 @@ def test_replica_failure_mid_stream_ends_the_stream_with_an_error_event(tiny_che
         assert texts, "the tokens produced before the failure were delivered"
     finally:
         s.close()
+
+
+def test_router_shutdown_ends_open_streams_with_an_error_event(tiny_checkpoint):
+    s = Stack(tiny_checkpoint, engine_kw={"tokens_per_s": 50})
+    got = {}
+
+    def read():
+        with httpx.stream("POST", f"{s.url}/completions", timeout=30,
+                          json={"model": s.model, "prompt": "hi", "max_tokens": 1000, "stream": True}) as r:
+            got["lines"] = [line for line in r.iter_lines() if line]
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s.close()
+    reader.join(10)
+    assert time.monotonic() - t0 < 6
+    assert len(got["lines"]) > 3
+    last = json.loads(got["lines"][-1].removeprefix("data: "))
+    assert last["error"]["type"] == "service_unavailable_error" and "shutting down" in last["error"]["message"]
