@@ -2,9 +2,10 @@
 
 Threading: handlers run on the server's event loop; each generation iterates in a worker thread
 (the engine blocks), which hands every token to the loop with `call_soon_threadsafe` as soon as
-it exists — one chunk per token, nothing buffered. Slot accounting happens only on the loop
-(server_load.LoadTracker); a slot is freed when the worker has closed its generation, so the
-engine is really free when the next request is admitted.
+it exists — nothing is held back (tokens share a chunk only if they piled up behind a slow
+reader). Slot accounting happens only on the loop (server_load.LoadTracker); a slot is freed
+when the worker has closed its generation and before the final message goes out, so the engine
+is really free when the caller's next request arrives.
 """
 
 from __future__ import annotations
