@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from monoserve.v1 import common_pb2, inference_pb2, replica_pb2
+from monoserve.v1 import admin_pb2, common_pb2, inference_pb2, replica_pb2
 
 from router.detokenizer import TextTokenizer
 from router.errors import RouterError
@@ -40,6 +40,8 @@ from router.validate import ModelLimits, prepare
 _FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS}
 _MAX_FAILOVERS = 8
+_STATE_NAMES = {admin_pb2.REPLICA_STATE_CONNECTING: "connecting", admin_pb2.REPLICA_STATE_READY: "ready",
+                admin_pb2.REPLICA_STATE_EJECTED: "ejected", admin_pb2.REPLICA_STATE_DRAINING: "draining"}
 _counter = itertools.count()
 
 
@@ -72,6 +74,9 @@ class Router:
 
     def _on_pool_change(self) -> None:
         self.dispatcher.pump()
+        counts = self.pool.count_by_state()
+        for state, name in _STATE_NAMES.items():
+            self.metrics.replicas.labels(name).set(counts.get(state, 0))
 
     def add_replica(self, address: str) -> ReplicaHandle:
         return self.pool.add(address)
@@ -163,6 +168,7 @@ class _Stream:
         dispatcher = self.r.dispatcher
         handle = dispatcher.try_acquire(self._shape(), exclude)
         if handle is not None:
+            self.r.metrics.queue_wait.observe(0.0)
             return handle
         t = self.r.clock()
         acquire = asyncio.ensure_future(dispatcher.acquire(self._shape(), self.deadline, exclude))
@@ -205,8 +211,9 @@ class _Stream:
             if self.running.aborted.is_set():
                 break
             left = self.p.max_tokens - len(self.sent)
-            if left <= 0:
-                break  # everything was sent before the replica failed: done (LENGTH)
+            context = self.r.model.max_context
+            if left <= 0 or (context and len(self.p.prompt_ids) + len(self.sent) >= context):
+                break  # everything was sent before the replica failed, or the window is full: LENGTH
             handle = await self._acquire(frozenset(exclude))
             if handle is None:
                 break  # aborted while queued

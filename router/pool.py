@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -41,6 +42,7 @@ CHANNEL_OPTIONS = (
 # Pause before re-opening a watch that failed while the connection was up (a replica bug, not
 # a restart): keeps a broken replica from spinning the loop. Not on any request's path.
 _WATCH_RETRY_S = 1.0
+MAX_SESSIONS = 100_000  # session affinity entries kept (least recently used dropped first)
 
 
 def _ms(value: float) -> float | None:
@@ -200,7 +202,13 @@ class ReplicaPool:
         self._on_change = on_change
         self._clock = clock
         self.replicas: dict[str, ReplicaHandle] = {}
-        self.sessions: dict[str, str] = {}  # session_id -> address that served it last
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session_id -> address that served it last
+
+    def remember_session(self, session_id: str, address: str) -> None:
+        self.sessions[session_id] = address
+        self.sessions.move_to_end(session_id)
+        if len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)  # forget the least recently used session
 
     def add(self, address: str) -> ReplicaHandle:
         address = address.strip()
@@ -231,15 +239,28 @@ class ReplicaPool:
         self._on_change()
         return running
 
-    def snapshot(self) -> Snapshot:
-        return Snapshot(tuple(h.state() for h in self.replicas.values()), self.sessions)
+    def snapshot(self, session_id: str = "") -> Snapshot:
+        """Immutable view for the policy (with the one session entry it may need)."""
+        sticky = self.sessions.get(session_id) if session_id else None
+        return Snapshot(tuple(h.state() for h in self.replicas.values()),
+                        {session_id: sticky} if sticky else {})
 
     def any_eligible(self, exclude=()) -> bool:
         return any(h.healthy and not h.draining for a, h in self.replicas.items() if a not in exclude)
 
-    def any_may_recover(self, exclude=()) -> bool:
-        """Some replica could take requests later (connecting, ejected but not being removed)."""
-        return any(not h.removing for a, h in self.replicas.items() if a not in exclude)
+    def could_serve(self, exclude=()) -> bool:
+        """Some replica serves now, or is still connecting for the first time (worth waiting for).
+
+        When every replica is ejected or draining, requests fail fast with UNAVAILABLE instead of
+        waiting an unknown time for one to come back."""
+        return any(not h.draining and (h.healthy or (h.load is None and not h.failed))
+                   for a, h in self.replicas.items() if a not in exclude)
+
+    def count_by_state(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for h in self.replicas.values():
+            counts[h.admin_state()] = counts.get(h.admin_state(), 0) + 1
+        return counts
 
     def reserve(self, handle: ReplicaHandle, max_tokens: int) -> None:
         handle.router_running += 1

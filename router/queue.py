@@ -26,6 +26,10 @@ from router.policy import RequestShape, estimate_wait_s, pick_replica
 from router.pool import ReplicaHandle, ReplicaPool
 
 
+_NO_REPLICA = ("no healthy replica can serve this request now (none in the pool, or all failed or "
+               "draining): retry later, or add replicas (`monoserve router --replica ADDR`, RouterAdmin.AddReplica)")
+
+
 @dataclass(eq=False)
 class _Waiter:
     shape: RequestShape
@@ -59,10 +63,8 @@ class Dispatcher:
         handle = self.try_acquire(shape, exclude)
         if handle is not None:
             return handle
-        if not self.pool.any_may_recover(exclude):
-            raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                              "no replica can serve this request: the router has no (other) replicas; "
-                              "add one with `monoserve router --replica ADDR` or RouterAdmin.AddReplica")
+        if not self.pool.could_serve(exclude):
+            raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA)
         self._admit(shape, deadline)
         waiter = _Waiter(shape, exclude)
         self._queue.append(waiter)
@@ -104,10 +106,9 @@ class Dispatcher:
                 self._queue.remove(waiter)
                 waiter.future.set_result(handle)
                 changed = True
-            elif not self.pool.any_may_recover(waiter.exclude):
+            elif not self.pool.could_serve(waiter.exclude):
                 self._queue.remove(waiter)
-                waiter.future.set_exception(RouterError(
-                    grpc.StatusCode.UNAVAILABLE, "every replica that could serve this request was removed"))
+                waiter.future.set_exception(RouterError(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA))
                 changed = True
         if changed:
             self._queued_changed()
@@ -115,13 +116,13 @@ class Dispatcher:
     # -- internals ---------------------------------------------------------------------------
 
     def _bind(self, shape: RequestShape, exclude: frozenset[str]) -> ReplicaHandle | None:
-        address = pick_replica(self.pool.snapshot(), shape, self.clock(), exclude)
+        address = pick_replica(self.pool.snapshot(shape.session_id), shape, self.clock(), exclude)
         if address is None:
             return None
         handle = self.pool.replicas[address]
         self.pool.reserve(handle, shape.max_tokens)
         if shape.session_id:
-            self.pool.sessions[shape.session_id] = address
+            self.pool.remember_session(shape.session_id, address)
         if self.metrics:
             self.metrics.active.inc()
         return handle

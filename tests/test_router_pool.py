@@ -1,0 +1,109 @@
+"""Pool behaviour a client can observe: no replica -> UNAVAILABLE, drained replicas get no new
+requests, session affinity, abort while queued, the Prometheus endpoint."""
+
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+from replicas.server import ReplicaServer
+from replicas.testing import PacedEngine
+from router.server import RouterServer
+
+
+def request(ids=(5, 6, 7), max_tokens=10, **kw):
+    return inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=list(ids)),
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
+
+
+def final_of(stub, req, timeout=10.0):
+    return list(stub.Generate(req, timeout=timeout))[-1].final
+
+
+@pytest.fixture
+def setup():
+    made = []
+
+    def make(n, rate=1000.0, **kw):
+        replicas = [ReplicaServer(PacedEngine(tokens_per_s=rate)) for _ in range(n)]
+        for r in replicas:
+            r.start()
+        router = RouterServer([r.address for r in replicas], **kw)
+        router.start()
+        router.wait_ready(n)
+        channel = grpc.insecure_channel(router.address)
+        made.append((router, replicas, channel))
+        return router, replicas, inference_pb2_grpc.InferenceStub(channel)
+
+    yield make
+    for router, replicas, channel in made:
+        channel.close()
+        router.stop()
+        for r in replicas:
+            r.stop(grace=0)
+
+
+def test_no_replica_is_unavailable_at_once():
+    router = RouterServer([])
+    router.start()
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            t0 = time.perf_counter()
+            with pytest.raises(grpc.RpcError) as err:
+                final_of(stub, request())
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy replica" in err.value.details()
+            assert time.perf_counter() - t0 < 1.0
+    finally:
+        router.stop()
+
+
+def test_a_draining_replica_gets_no_new_requests(setup):
+    router, replicas, stub = setup(2)
+    replicas[0].drain()
+    end = time.monotonic() + 5
+    while router.router.pool.replicas[replicas[0].address].healthy and time.monotonic() < end:
+        time.sleep(0.01)
+    for i in range(4):
+        assert final_of(stub, request(ids=(i + 1,))).replica_id == replicas[1].replica_id
+
+
+def test_session_affinity_keeps_a_conversation_on_one_replica(setup):
+    router, replicas, stub = setup(3)
+    first = final_of(stub, request(session_id="conv-1")).replica_id
+    for _ in range(3):
+        assert final_of(stub, request(session_id="conv-1")).replica_id == first
+
+
+def test_abort_while_queued_ends_with_cancelled(setup):
+    router, replicas, stub = setup(1, rate=100.0)
+    busy = threading.Thread(target=final_of, args=(stub, request(max_tokens=40)))
+    busy.start()
+    time.sleep(0.05)
+    result = {}
+    waiting = threading.Thread(target=lambda: result.update(final=final_of(stub, request(request_id="q1"))))
+    waiting.start()
+    time.sleep(0.05)
+    assert router.queue_depth() == 1
+    assert stub.Abort(inference_pb2.AbortRequest(request_id="q1")).found
+    waiting.join(2)
+    assert result["final"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    assert result["final"].usage.completion_tokens == 0
+    assert router.queue_depth() == 0
+    busy.join()
+
+
+def test_metrics_endpoint_counts_outcomes(setup):
+    router, replicas, stub = setup(1, metrics_port=0)
+    final_of(stub, request())
+    with pytest.raises(grpc.RpcError):
+        final_of(stub, request(max_tokens=0))
+    text = httpx.get(f"http://127.0.0.1:{router.metrics_port}/metrics").text
+    assert 'monoserve_router_requests_total{outcome="length"} 1.0' in text
+    assert 'monoserve_router_requests_total{outcome="invalid_argument"} 1.0' in text
+    assert "monoserve_router_ttft_seconds_count 1.0" in text
+    assert 'monoserve_router_replicas{state="ready"} 1.0' in text
+    assert "monoserve_router_queue_depth 0.0" in text
