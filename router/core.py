@@ -69,14 +69,14 @@ class Router:
         self.pool = ReplicaPool(self._on_pool_change, clock)
         self.dispatcher = Dispatcher(self.pool, queue_size, self.metrics, clock)
         self._running: dict[str, _Running] = {}
+        for state, name in _STATE_NAMES.items():  # computed when scraped, not on every change
+            self.metrics.replicas.labels(name).set_function(
+                lambda state=state: self.pool.count_by_state().get(state, 0))
 
     # -- pool ---------------------------------------------------------------------------------
 
     def _on_pool_change(self) -> None:
         self.dispatcher.pump()
-        counts = self.pool.count_by_state()
-        for state, name in _STATE_NAMES.items():
-            self.metrics.replicas.labels(name).set(counts.get(state, 0))
 
     def add_replica(self, address: str) -> ReplicaHandle:
         return self.pool.add(address)

@@ -258,7 +258,7 @@ class ReplicaPool:
 
     def count_by_state(self) -> dict[int, int]:
         counts: dict[int, int] = {}
-        for h in self.replicas.values():
+        for h in list(self.replicas.values()):  # also called from the metrics thread
             counts[h.admin_state()] = counts.get(h.admin_state(), 0) + 1
         return counts
 
