@@ -106,10 +106,15 @@ def completion_body(rid: str, created: int, model: str, text: str, final: infere
             "usage": usage_json(final)}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, final: inference_pb2.Final) -> dict:
+def chat_body(rid: str, created: int, model: str, text: str | None, final: inference_pb2.Final,
+              tool_calls: list | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    finish = finish_fields(final)
+    if tool_calls:
+        message["tool_calls"] = [c.as_json() for c in tool_calls]
+        finish["finish_reason"] = "tool_calls"
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, **finish_fields(final)}],
+            "choices": [{"index": 0, "message": message, "logprobs": None, **finish}],
             "usage": usage_json(final)}
 
 
@@ -124,9 +129,11 @@ def completion_chunk(rid: str, created: int, model: str, text: str, final: infer
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, final: inference_pb2.Final | None,
-               with_usage: bool) -> dict:
+               with_usage: bool, called_tools: bool = False) -> dict:
     choice = {"index": 0, "delta": delta, "logprobs": None,
               **(finish_fields(final) if final else {"finish_reason": None})}
+    if final is not None and called_tools:
+        choice["finish_reason"] = "tool_calls"
     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
     if with_usage:
         body["usage"] = None  # OpenAI: null on every chunk but the last

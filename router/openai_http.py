@@ -17,137 +17,32 @@ one set of metrics. Started by `RouterServer(http_port=...)` through `start_http
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
-import grpc
 import uvicorn
-from monoserve.v1 import inference_pb2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router import openai_convert as convert
 from router.errors import RouterError
+from router.openai_errors import HTTPError
 from router.openai_models import ChatCompletionRequest, CompletionRequest, OpenAIRequestError, parse_request
+from router.openai_stream import (ClientGone, SSEResponse, chat_events, collect, completion_events, first_event,
+                                  unless_disconnected)
+from router.openai_tools import parse_tool_calls, tool_format
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 TIMEOUT_HEADER = "x-request-timeout"
-
-# gRPC status of a RouterError -> (HTTP status, OpenAI error type, error code)
-_HTTP_OF_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "overloaded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "no_replica_available"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
-}
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers or {}
-
-    @classmethod
-    def from_router(cls, e: RouterError) -> "HTTPError":
-        status, type_, code = _HTTP_OF_GRPC.get(e.code, (500, "server_error", None))
-        headers = {}
-        if e.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
-        return cls(status, e.message, type_, None, code, headers)
-
-    def payload(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
-
-
-class _ClientGone(Exception):
-    """The HTTP client disconnected; its generation was cancelled."""
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable):
-    """Await `work`, cancelling it (and raising _ClientGone) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise _ClientGone()
-    return task.result()
-
-
-def _sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
-
-
-class _SSEResponse(StreamingResponse):
-    """Streams an async iterator of SSE bytes; stops it as soon as the client disconnects
-    (not only at the next write), so an idle or queued stream is aborted promptly too."""
-
-    def __init__(self, events: AsyncIterator[bytes]):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.events = events
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        task = asyncio.ensure_future(pump())
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        shutting_down = False
-        try:
-            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the server is stopping and its grace period is over
-            shutting_down = True
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await self.events.aclose()  # ends the router call (and the replica's) if still running
-        if shutting_down:
-            # Tell the client why its stream ends, instead of just dropping the connection.
-            error = HTTPError(503, "the server is shutting down: retry on another router", "service_unavailable_error")
-            with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "body": _sse(error.payload()), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        if task.done() and not task.cancelled() and task.exception() is not None \
-                and not isinstance(task.exception(), OSError):  # OSError: the client went away
-            raise task.exception()
 
 
 class OpenAIApp:
@@ -206,23 +101,33 @@ class OpenAIApp:
                                                 self.router.chat_template, limits.max_context)
             else:
                 greq = convert.completion_to_generate(req, rid, req.model)
+            tools = self._tool_format(req) if chat else None
             stream = self.router.generate(greq, deadline=self._deadline(request))
             if not req.stream:
-                text, final = await _unless_disconnected(request, _collect(stream))
-                body = (convert.chat_body if chat else convert.completion_body)(
-                    rid, convert.now(), req.model, text, final)
-                return JSONResponse(body)
-            first = await _unless_disconnected(request, _first(stream))
-            events = _chat_events if chat else _completion_events
-            return _SSEResponse(events(stream, first, rid, req.model, req.include_usage_in_stream))
+                text, final = await unless_disconnected(request, collect(stream))
+                if not chat:
+                    return JSONResponse(convert.completion_body(rid, convert.now(), req.model, text, final))
+                content, calls = parse_tool_calls(text, tools) if tools else (text, [])
+                return JSONResponse(convert.chat_body(rid, convert.now(), req.model, content, final, calls))
+            first = await unless_disconnected(request, first_event(stream))
+            if chat:
+                return SSEResponse(chat_events(stream, first, rid, req.model, req.include_usage_in_stream, tools))
+            return SSEResponse(completion_events(stream, first, rid, req.model, req.include_usage_in_stream))
         except OpenAIRequestError as e:
             return HTTPError(400, e.message, param=e.param).response()
         except RouterError as e:
             return HTTPError.from_router(e).response()
         except HTTPError as e:
             return e.response()
-        except (_ClientGone, ClientDisconnect):
+        except (ClientGone, ClientDisconnect):
             return Response(status_code=499)  # nobody is listening; uvicorn drops it
+
+    def _tool_format(self, req: ChatCompletionRequest) -> str | None:
+        """How to find tool calls in this request's output (None: don't look for them)."""
+        template = self.router.chat_template
+        if not req.tools or req.tool_choice == "none" or template is None:
+            return None
+        return tool_format("\n".join(getattr(template, "templates", {}).values()))
 
     def _unknown_model(self, name: str) -> HTTPError:
         served = ", ".join(repr(c["id"]) for c in self._model_cards())
@@ -275,74 +180,6 @@ class OpenAIApp:
 
 def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
-
-
-async def _first(stream: AsyncIterator[inference_pb2.GenerateResponse]) -> inference_pb2.GenerateResponse:
-    try:
-        return await anext(stream)
-    except BaseException:
-        await stream.aclose()
-        raise
-
-
-async def _collect(stream) -> tuple[str, inference_pb2.Final | None]:
-    parts, final = [], None
-    try:
-        async for event in stream:
-            if event.HasField("chunk"):
-                parts.append(event.chunk.text)
-            else:
-                final = event.final
-    finally:
-        await stream.aclose()
-    return "".join(parts), final
-
-
-async def _events(stream, first):
-    """The router's responses starting with the already-received first one."""
-    yield first
-    if first.HasField("final"):
-        return
-    async for event in stream:
-        yield event
-
-
-async def _chat_events(stream, first, rid: str, model: str, with_usage: bool) -> AsyncIterator[bytes]:
-    created = convert.now()
-    try:
-        yield _sse(convert.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, with_usage))
-        async for event in _events(stream, first):
-            if event.HasField("chunk"):
-                if event.chunk.text:
-                    yield _sse(convert.chat_chunk(rid, created, model, {"content": event.chunk.text}, None,
-                                                  with_usage))
-                continue
-            yield _sse(convert.chat_chunk(rid, created, model, {}, event.final, with_usage))
-            if with_usage:
-                yield _sse(convert.usage_chunk(rid, created, model, "chat.completion.chunk", event.final))
-        yield _sse("[DONE]")
-    except RouterError as e:
-        yield _sse(HTTPError.from_router(e).payload())
-    finally:
-        await stream.aclose()
-
-
-async def _completion_events(stream, first, rid: str, model: str, with_usage: bool) -> AsyncIterator[bytes]:
-    created = convert.now()
-    try:
-        async for event in _events(stream, first):
-            if event.HasField("chunk"):
-                if event.chunk.text:
-                    yield _sse(convert.completion_chunk(rid, created, model, event.chunk.text, None, with_usage))
-                continue
-            yield _sse(convert.completion_chunk(rid, created, model, "", event.final, with_usage))
-            if with_usage:
-                yield _sse(convert.usage_chunk(rid, created, model, "text_completion", event.final))
-        yield _sse("[DONE]")
-    except RouterError as e:
-        yield _sse(HTTPError.from_router(e).payload())
-    finally:
-        await stream.aclose()
 
 
 class OpenAIHTTPServer:
