@@ -220,14 +220,15 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: Literal["float32"
 
     dtype="float32": fp32 arrays (bf16/fp16 converted exactly; fp32 ones are read-only mmaps).
     dtype="raw": read-only memory-mapped views as stored (bf16 -> uint16 bit patterns).
-    progress: None = a bar when the checkpoint is over 1 GiB; True/False forces it.
+    progress: None = a bar when converting over 1 GiB to float32; True/False forces it.
     A tied `lm_head.weight` is not returned (use `model.embed_tokens.weight`).
     """
     if dtype not in ("float32", "raw"):
         raise ValueError(f"dtype={dtype!r}: use 'float32' or 'raw'")
     entries = validate(locate_tensors(path), config, str(path))
     total = sum(e.end - e.start for e in entries.values())
-    show = total > PROGRESS_ABOVE_BYTES if progress is None else progress
+    # raw views read nothing up front, so only a conversion is worth a bar
+    show = dtype == "float32" and total > PROGRESS_ABOVE_BYTES if progress is None else progress
     bar = None
     if show:
         from tqdm import tqdm
