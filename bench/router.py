@@ -86,13 +86,19 @@ class Target:
 
 
 async def ttft_and_rate(router_addr: str, replica_addr: str, args) -> dict:
-    out = {}
-    for name, target in (("direct", Target(replica_addr, True)), ("router", Target(router_addr, False))):
+    """Direct and router samples interleaved, so background load hits both paths alike."""
+    targets = {"direct": Target(replica_addr, True), "router": Target(router_addr, False)}
+    out = {name: {"ttft_ms": [], "rate": []} for name in targets}
+    for target in targets.values():
         for _ in range(20):  # warm up connections and code paths
             await target.run(1)
-        ttfts = [(await target.run(1))[0] * 1e3 for _ in range(args.requests)]
-        rates = [(await target.run(args.stream_tokens))[1] for _ in range(args.streams)]
-        out[name] = {"ttft_ms": ttfts, "rate": rates}
+    for _ in range(args.requests):
+        for name, target in targets.items():
+            out[name]["ttft_ms"].append((await target.run(1))[0] * 1e3)
+    for _ in range(args.streams):
+        for name, target in targets.items():
+            out[name]["rate"].append((await target.run(args.stream_tokens))[1])
+    for target in targets.values():
         await target.channel.close()
     return out
 
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
     if args.record:
         command = "python bench/router.py " + " ".join(argv if argv is not None else sys.argv[1:])
         machine = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or platform.machine()}), " \
-                  f"Python {platform.python_version()}, grpcio {grpc.__version__}"
+                  f"Python {platform.python_version()}, grpcio {grpc.__version__}, " \
+                  f"load average {os.getloadavg()[0]:.1f} at the end (shared machine)"
         section = [f"\n## Router overhead (bench/router.py)\n",
                    f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
                    f"- machine: {machine}; CPU only (PacedEngine replicas, no GPU)",
