@@ -3,7 +3,7 @@
     monoserve make-checkpoint --preset tiny --out ckpt/tiny [--seed 0] [--dtype bf16] [--force]
     monoserve generate --model ckpt/tiny "Once upon a time" [--max-tokens 64] [--tokens]
 
-`generate` runs the numpy reference engine in this process. Other transports (e.g. a router
+`generate` runs an engine in this process (the numpy reference engine unless --engine says). Other transports (e.g. a router
 address) plug in by adding arguments in `add_generate_arguments` and a branch in
 `run_generate`; `generate_local` is the whole local path.
 """
@@ -58,6 +58,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed; same seed => same text")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS ids")
     p.add_argument("--tokens", action="store_true", help="print raw token ids instead of text")
+    p.add_argument("--engine", choices=("reference", "monokernel"), default="reference",
+                   help="local engine: numpy reference (default) or the CUDA monokernel (GPU + CuPy)")
+    p.add_argument("--devices", default="0", help="monokernel: comma-separated GPU ordinals (default 0)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -78,6 +81,13 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def _devices(text: str) -> list[int]:
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices or not all(d.isdigit() for d in devices):
+        raise argparse.ArgumentTypeError(f"--devices must be comma-separated GPU ordinals like 0,1; got {text!r}")
+    return [int(d) for d in devices]
 
 
 def _fail(message: str) -> int:
@@ -131,11 +141,12 @@ def generate_local(args: argparse.Namespace, out=None, err=None) -> int:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception on malformed JSON)
         return _fail(f"{tokenizer_file} is not a valid tokenizer.json: {e}")
-    try:
-        from replicas.reference import ReferenceEngine
+    from replicas.cli_replica import EngineUnavailable, make_engine
 
-        engine = ReferenceEngine.from_pretrained(model)
-    except (ConfigError, CheckpointError) as e:
+    try:  # the same engine factory as `monoserve replica`
+        engine = make_engine(argparse.Namespace(
+            engine=args.engine, model=str(model), max_batch=1, devices=_devices(args.devices)))
+    except (ConfigError, CheckpointError, EngineUnavailable, argparse.ArgumentTypeError) as e:
         return _fail(str(e))
 
     prompt_ids = tokenizer.encode(args.prompt).ids

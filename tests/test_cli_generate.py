@@ -68,6 +68,8 @@ def test_generate_bad_input(tmp_path, tiny_checkpoint, capsys):
     (tmp_path / "tokenizer.json").write_text((tiny_checkpoint / "tokenizer.json").read_text())
     assert main(["generate", "--model", str(tmp_path), "hi"]) == 2
     assert "no config.json" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_checkpoint), "hi", "--engine", "monokernel", "--devices", "x"]) == 2
+    assert "--devices must be comma-separated GPU ordinals like 0,1; got 'x'" in capsys.readouterr().err
 
 
 def test_streamed_text_never_splits_a_character(tiny_checkpoint):
