@@ -191,7 +191,10 @@ def main(argv=None) -> int:
                    f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
                    f"- machine: {machine}; CPU only (PacedEngine replicas, no GPU)",
                    f"- commit: {git_commit()}", f"- command: `{command}`", *lines, ""]
+        new_file = not Path(args.record).exists()
         with open(args.record, "a") as f:
+            if new_file:
+                f.write("# Benchmark results\n\nOne section per run: date, machine, commit, command, figures.\n")
             f.write("\n".join(section))
     return 0
 
