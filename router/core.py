@@ -301,9 +301,12 @@ class _Stream:
                     got_final = True
                     yield msg.final
         except asyncio.CancelledError:
-            if self.running.aborted.is_set() and asyncio.current_task().cancelling() == 0:
+            if asyncio.current_task().cancelling():
+                raise  # the client went away
+            if self.running.aborted.is_set():
                 return  # our own abort cancelled the call: finish normally (CANCELLED)
-            raise
+            # the call was cancelled under us: its replica was removed without drain
+            raise _ReplicaFailed(f"{handle.address}: call cancelled (replica removed)") from None
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

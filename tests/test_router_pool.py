@@ -107,3 +107,20 @@ def test_metrics_endpoint_counts_outcomes(setup):
     assert "monoserve_router_ttft_seconds_count 1.0" in text
     assert 'monoserve_router_replicas{state="ready"} 1.0' in text
     assert "monoserve_router_queue_depth 0.0" in text
+
+
+def test_removing_a_replica_without_drain_fails_its_requests_over(setup):
+    from replicas.engine import SamplingParams
+
+    router, replicas, stub = setup(2, rate=200.0)
+    ids, final, removed = [], None, None
+    for msg in stub.Generate(request(ids=(1, 2), max_tokens=60), timeout=10):
+        if msg.HasField("final"):
+            final = msg.final
+            continue
+        ids += msg.chunk.token_ids
+        if len(ids) == 10:
+            removed = next(h.address for h in router.router.pool.replicas.values() if h.router_running)
+            threading.Thread(target=router.remove_replica, args=(removed, False)).start()
+    assert ids == list(PacedEngine(tokens_per_s=1e6).generate([1, 2], SamplingParams(max_tokens=60)))
+    assert final.replica_id != removed and final.usage.completion_tokens == 60
