@@ -102,6 +102,16 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
         vals = [time_generation(engine, p, 2)[2] for _ in range(3)]
         ttft[n] = round(1e3 * statistics.median(vals), 2)
     res["ttft_ms"] = ttft
+    # phase timing from inside the kernel (block 0's view, barrier to barrier)
+    engine.profile = cp.zeros(7, cp.uint64)
+    time_generation(engine, prompt, n_new)
+    prof = cp.asnumpy(engine.profile).astype(float)
+    steps = max(prof[6], 1)
+    names = ["lm_head+sample", "qkv", "attention", "o_proj", "gate_up", "down"]
+    per = {nm: prof[i] / steps / 1e3 / (1 if i == 0 else lay.layers) for i, nm in enumerate(names)}
+    res["phase_us"] = {k: round(v, 2) for k, v in per.items()}  # per step (LM) or per layer-step
+    res["phase_us_total_per_token"] = round(float(prof[:6].sum()) / steps / 1e3, 1)
+    engine.profile = None
     del engine
     cp.get_default_memory_pool().free_all_blocks()
     return res

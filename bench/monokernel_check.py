@@ -83,9 +83,9 @@ def check_preset(preset: str, root: Path, n: int, use_reference: bool) -> dict:
     res["greedy_mismatch_clear_margin"] = int(np.sum(~agree & (margin > TOL)))
     res["greedy_mismatch_any"] = int(np.sum(~agree))
     # seeded sampling
-    sp = SamplingParams(max_tokens=32, temperature=0.8, seed=1234, ignore_eos=True)
+    sp = SamplingParams(max_tokens=32, temperature=1.5, seed=1234, ignore_eos=True)
     a, b = list(eng.generate(prompt, sp)), list(eng.generate(prompt, sp))
-    c = list(eng.generate(prompt, SamplingParams(max_tokens=32, temperature=0.8, seed=99, ignore_eos=True)))
+    c = list(eng.generate(prompt, SamplingParams(max_tokens=32, temperature=1.5, seed=99, ignore_eos=True)))
     res["seeded_reproducible"] = a == b
     res["seeds_differ"] = a != c
     kp = SamplingParams(max_tokens=16, temperature=0.7, top_k=20, top_p=0.9, seed=5, ignore_eos=True)
@@ -101,8 +101,10 @@ def check_preset(preset: str, root: Path, n: int, use_reference: bool) -> dict:
     res["cancel_tokens"] = len(got)
     res["cancel_reason"] = g.finish_reason.value
     # stop token: force the first greedy token to be a stop id
-    s = list(eng.generate(prompt, SamplingParams(max_tokens=8, stop_token_ids=[toks[3]], ignore_eos=True)))
-    res["stop_ok"] = s == toks[:3]
+    j = next((i for i in range(1, len(toks)) if toks[i] not in toks[:i]), None)
+    if j is not None:
+        s = list(eng.generate(prompt, SamplingParams(max_tokens=64, stop_token_ids=[toks[j]], ignore_eos=True)))
+        res["stop_ok"] = s == toks[:j]
     # throughput
     t = time.perf_counter()
     out = list(eng.generate(prompt, SamplingParams(max_tokens=256, ignore_eos=True)))

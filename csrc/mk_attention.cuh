@@ -8,56 +8,66 @@
 
 constexpr int kOPerThread = (kGroup * MK_D + MK_THREADS - 1) / MK_THREADS;
 
-// kDPerLane head-dim elements of one cached key row (bf16), read past L1 (rows written by other SMs).
-MK_DEVICE void load_key(const uint16_t* row, int lane, float* out) {
-  const uint16_t* src = row + lane * kDPerLane;
-  if constexpr (kDPerLane == 1) {
-    out[0] = bf16_to_f32(__ldcg(src));
-  } else if constexpr (kDPerLane == 2) {
-    unsigned w = __ldcg(reinterpret_cast<const unsigned*>(src));
-    out[0] = __uint_as_float(w << 16); out[1] = __uint_as_float(w & 0xffff0000u);
-  } else if constexpr (kDPerLane == 4) {
-    uint2 w = __ldcg(reinterpret_cast<const uint2*>(src));
-    out[0] = __uint_as_float(w.x << 16); out[1] = __uint_as_float(w.x & 0xffff0000u);
-    out[2] = __uint_as_float(w.y << 16); out[3] = __uint_as_float(w.y & 0xffff0000u);
-  } else {
-    uint4 w = __ldcg(reinterpret_cast<const uint4*>(src));
-    unsigned ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) { out[2 * i] = __uint_as_float(ws[i] << 16); out[2 * i + 1] = __uint_as_float(ws[i] & 0xffff0000u); }
-  }
-}
+// Shared-memory scratch of the attention phase (aliases the activation buffer), in floats.
+constexpr int kAttnQ = 0;                                   // [kGroup][D] q of the group, fp32
+constexpr int kAttnKC = kAttnQ + kGroup * MK_D;             // [D] k of the new token (roped, bf16-rounded)
+constexpr int kAttnVC = kAttnKC + MK_D;                     // [D] v of the new token
+constexpr int kAttnSC = kAttnVC + MK_D;                     // [kGroup][TILE] scores -> probabilities
+constexpr int kAttnStats = kAttnSC + kGroup * MK_ATTN_TILE; // m, l, alpha per head + flag
+constexpr int kAttnKV = (kAttnStats + 4 * kGroup + 4 + 3) / 4 * 4;  // bf16 K tile then V tile
+constexpr int kAttnFloats = kAttnKV + MK_ATTN_TILE * MK_D;
+static_assert(kAttnFloats <= MK_ACT_FLOATS, "attention scratch exceeds the activation buffer");
+static_assert(3 * MK_MAX_SPLITS * kGroup <= MK_ATTN_TILE * MK_D, "combine scratch");
+constexpr int kRowPieces = MK_D / 8;                        // 16-byte pieces per K/V row
 
 MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctx = pos + 1;
-  const int split_cap = max(1, (int)gridDim.x / MK_NKV);  // partial buffers are [NKV][split_cap]
+  const int split_cap = max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS));  // partials: [NKV][split_cap]
   const int nsplit = max(1, min(split_cap, (ctx + 31) / 32));
   const int items = MK_NKV * nsplit;
-  float* s_q = s_act;                       // [kGroup][D], then k and v of this step
-  float* s_kc = s_q + kGroup * MK_D;
-  float* s_vc = s_kc + MK_D;
-  float* s_sc = s_vc + MK_D;                // [kGroup][TILE] scores, then probabilities
-  float* s_m = s_sc + kGroup * MK_ATTN_TILE;
+  float* s_q = s_act + kAttnQ;
+  float* s_kc = s_act + kAttnKC;
+  float* s_vc = s_act + kAttnVC;
+  float* s_sc = s_act + kAttnSC;
+  float* s_m = s_act + kAttnStats;
   float* s_l = s_m + kGroup;
   float* s_alpha = s_l + kGroup;
   int* s_last = reinterpret_cast<int*>(s_alpha + kGroup);
+  uint16_t* s_k = reinterpret_cast<uint16_t*>(s_act + kAttnKV);  // [TILE][D]
+  uint16_t* s_v = s_k + MK_ATTN_TILE * MK_D;
   const float qscale = rsqrtf((float)MK_D);
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int g = item / nsplit, s = item % nsplit;
     const int chunk = (ctx + nsplit - 1) / nsplit;
     const int t0 = s * chunk, t1 = min(ctx, t0 + chunk);
+    const long long head_base = ((long long)layer * MK_NKV + g) * MK_MAX_CTX;
+    // Start fetching the first tile of cached K/V (earlier positions do not depend on this step).
+    auto fetch_tile = [&](int tt, int n) {
+      for (int i = tid; i < 2 * n * kRowPieces; i += MK_THREADS) {
+        const int kv = i / (n * kRowPieces), r = i % (n * kRowPieces), j = r / kRowPieces, c = r % kRowPieces;
+        if (tt + j == pos) continue;  // the new token's row comes from s_kc / s_vc
+        const uint16_t* src = (kv ? p.v_cache : p.k_cache) + (head_base + tt + j) * MK_D + c * 8;
+        cp_async16((kv ? s_v : s_k) + j * MK_D + c * 8, src);
+      }
+      cp_async_commit();
+    };
+    if (t0 < t1) fetch_tile(t0, min(MK_ATTN_TILE, t1 - t0));
     // 1. q (group heads), k, v of the new token: sum the k-split partials, add bias.
-    for (int i = tid; i < (kGroup + 2) * MK_D; i += MK_THREADS) {
-      int row = i < kGroup * MK_D ? g * kGroup * MK_D + i
-              : i < (kGroup + 1) * MK_D ? kQDim + g * MK_D + (i - kGroup * MK_D)
-              : kQDim + kKVDim + g * MK_D + (i - (kGroup + 1) * MK_D);
-      float v = 0.f;
 #pragma unroll
-      for (int k = 0; k < MK_S_QKV; k++) v += __ldcg(p.qkv_part + (long long)row * MK_S_QKV + k);
-      if (MK_QKV_BIAS) v += p.qkv_bias[(long long)layer * kQKVRows + row];
-      s_q[i] = i >= (kGroup + 1) * MK_D ? bf16_round(v) : v;  // v is cached as bf16
+    for (int i0 = 0; i0 < (kGroup + 2) * MK_D; i0 += MK_THREADS) {
+      const int i = i0 + tid;
+      if (i < (kGroup + 2) * MK_D) {
+        int row = i < kGroup * MK_D ? g * kGroup * MK_D + i
+                : i < (kGroup + 1) * MK_D ? kQDim + g * MK_D + (i - kGroup * MK_D)
+                : kQDim + kKVDim + g * MK_D + (i - (kGroup + 1) * MK_D);
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < MK_S_QKV; k++) v += __ldcg(p.qkv_part + (long long)row * MK_S_QKV + k);
+        if (MK_QKV_BIAS) v += p.qkv_bias[(long long)layer * kQKVRows + row];
+        s_q[i] = i >= (kGroup + 1) * MK_D ? bf16_round(v) : v;  // v is cached as bf16
+      }
     }
     __syncthreads();
     // 2. per head (group q heads + the k head): optional RMSNorm over D, then RoPE (rotate-half).
@@ -83,27 +93,28 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
     }
     if (tid < kGroup) { s_m[tid] = -INFINITY; s_l[tid] = 0.f; }
     __syncthreads();
-    const long long head_base = ((long long)layer * MK_NKV + g) * MK_MAX_CTX;
     if (t0 <= pos && pos < t1) {  // this split owns the new position: append it to the cache
       for (int d = tid; d < MK_D; d += MK_THREADS) {
         p.k_cache[(head_base + pos) * MK_D + d] = f32_to_bf16(s_kc[d]);
         p.v_cache[(head_base + pos) * MK_D + d] = f32_to_bf16(s_vc[d]);
       }
     }
-    // 3. tiles of positions: scores, online softmax, weighted values.
+    // 3. tiles of positions: scores, online softmax, weighted values (all from shared memory).
     float o[kOPerThread];
 #pragma unroll
     for (int k = 0; k < kOPerThread; k++) o[k] = 0.f;
     for (int tt = t0; tt < t1; tt += MK_ATTN_TILE) {
       const int n = min(MK_ATTN_TILE, t1 - tt);
+      cp_async_wait_all();
+      __syncthreads();
       for (int j = warp; j < n; j += kWarps) {
-        const int t = tt + j;
         float kv[kDPerLane];
-        if (t == pos) {
+        if (tt + j == pos) {
 #pragma unroll
           for (int e = 0; e < kDPerLane; e++) kv[e] = s_kc[lane * kDPerLane + e];
         } else {
-          load_key(p.k_cache + (head_base + t) * MK_D, lane, kv);
+#pragma unroll
+          for (int e = 0; e < kDPerLane; e++) kv[e] = bf16_to_f32(s_k[j * MK_D + lane * kDPerLane + e]);
         }
 #pragma unroll
         for (int h = 0; h < kGroup; h++) {
@@ -141,18 +152,17 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
         if (idx < kGroup * MK_D) {
           const int h = idx / MK_D, d = idx % MK_D;
           float acc = o[k] * s_alpha[h];
-          const uint16_t* vrow = p.v_cache + (head_base + tt) * MK_D + d;
-#pragma unroll 8
           for (int j = 0; j < n; j++) {
-            float vv = (tt + j == pos) ? s_vc[d] : bf16_to_f32(__ldcg(vrow + (long long)j * MK_D));
+            float vv = (tt + j == pos) ? s_vc[d] : bf16_to_f32(s_v[j * MK_D + d]);
             acc += s_sc[h * MK_ATTN_TILE + j] * vv;
           }
           o[k] = acc;
         }
       }
       __syncthreads();
+      if (tt + MK_ATTN_TILE < t1) fetch_tile(tt + MK_ATTN_TILE, min(MK_ATTN_TILE, t1 - tt - MK_ATTN_TILE));
     }
-    // 4. publish this split's partial; the last split of kv head g combines.
+    // 4. publish this split's partial; the last split of kv head g to finish combines.
     const long long pbase = ((long long)g * split_cap + s) * kGroup;
 #pragma unroll
     for (int k = 0; k < kOPerThread; k++) {
@@ -166,18 +176,28 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
     __syncthreads();
     if (*s_last) {
       __threadfence();
+      float* s_cm = reinterpret_cast<float*>(s_k);  // [nsplit][kGroup] maxima, sums, weights
+      float* s_cl = s_cm + MK_MAX_SPLITS * kGroup;
+      float* s_cw = s_cl + MK_MAX_SPLITS * kGroup;
+      const long long gbase = (long long)g * split_cap * kGroup;
+      for (int i = tid; i < nsplit * kGroup; i += MK_THREADS) {
+        s_cm[i] = __ldcg(p.attn_m + gbase + i);
+        s_cl[i] = __ldcg(p.attn_l + gbase + i);
+      }
+      __syncthreads();
+      if (tid < kGroup) {
+        float M = -INFINITY, den = 0.f;
+        for (int q = 0; q < nsplit; q++) M = fmaxf(M, s_cm[q * kGroup + tid]);
+        for (int q = 0; q < nsplit; q++) den += __expf(s_cm[q * kGroup + tid] - M) * s_cl[q * kGroup + tid];
+        for (int q = 0; q < nsplit; q++) s_cw[q * kGroup + tid] = __expf(s_cm[q * kGroup + tid] - M) / den;
+      }
+      __syncthreads();
       for (int idx = tid; idx < kGroup * MK_D; idx += MK_THREADS) {
         const int h = idx / MK_D;
-        float M = -INFINITY;
-        for (int q = 0; q < nsplit; q++) M = fmaxf(M, __ldcg(p.attn_m + ((long long)g * split_cap + q) * kGroup + h));
-        float den = 0.f, num = 0.f;
-        for (int q = 0; q < nsplit; q++) {
-          const long long b = ((long long)g * split_cap + q) * kGroup;
-          float w = __expf(__ldcg(p.attn_m + b + h) - M);
-          den += w * __ldcg(p.attn_l + b + h);
-          num += w * __ldcg(p.attn_o + b * MK_D + idx);
-        }
-        p.attn_out[g * kGroup * MK_D + idx] = num / den;
+        float num = 0.f;
+#pragma unroll 8
+        for (int q = 0; q < nsplit; q++) num += s_cw[q * kGroup + h] * __ldcg(p.attn_o + (gbase + q * kGroup) * MK_D + idx);
+        p.attn_out[g * kGroup * MK_D + idx] = num;
       }
       if (tid == 0) atomicExch(p.attn_cnt + g, 0u);
     }

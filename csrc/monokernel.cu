@@ -13,31 +13,54 @@
 #include "mk_attention.cuh"
 #include "mk_sample.cuh"
 
-// s_x = base + sum of partials (+bias); optionally block 0 stores it to xdst; s_act = RMSNorm(s_x) * w.
-MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const float* parts, int S,
-                             const float* bias, float* xdst, const float* w, float* s_x, float* s_act,
-                             float* s_red) {
+// x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
+// s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
+template <int S>
+MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const float* parts,
+                             const float* bias, float* xdst, const float* w, float* s_act, float* s_red) {
+  constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
+  float v[kIt];
   float ss = 0.f;
-  for (int i = threadIdx.x; i < MK_HP; i += MK_THREADS) {
-    float v = 0.f;
+#pragma unroll
+  for (int k = 0; k < kIt; k++) {
+    const int i = threadIdx.x + k * MK_THREADS;
+    float x = 0.f;
     if (i < MK_H) {
-      v = emb_row ? bf16_to_f32(emb_row[i]) : __ldcg(xsrc + i);
-      if (parts) for (int k = 0; k < S; k++) v += __ldcg(parts + (long long)i * S + k);
-      if (bias) v += bias[i];
-      if (xdst && blockIdx.x == 0) xdst[i] = v;
+      x = emb_row ? bf16_to_f32(emb_row[i]) : __ldcg(xsrc + i);
+#pragma unroll
+      for (int q = 0; q < S; q++) x += __ldcg(parts + (long long)i * S + q);
+      if (bias) x += bias[i];
     }
-    s_x[i] = v;
-    ss += v * v;
+    v[k] = x;
+    ss += x * x;
   }
   const float r = rsqrtf(block_sum(ss, s_red) / MK_H + MK_EPS);
-  for (int i = threadIdx.x; i < MK_HP; i += MK_THREADS) s_act[i] = i < MK_H ? s_x[i] * r * w[i] : 0.f;
+#pragma unroll
+  for (int k = 0; k < kIt; k++) {
+    const int i = threadIdx.x + k * MK_THREADS;
+    if (i < MK_HP) {
+      if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
+      s_act[i] = i < MK_H ? v[k] * r * w[i] : 0.f;
+    }
+  }
   __syncthreads();
 }
 
-// s_act[0..n_pad) = src[0..n) then zeros.
-MK_DEVICE void stage_vector(const float* src, int n, int n_pad, float* s_act) {
-  for (int i = threadIdx.x; i < n_pad; i += MK_THREADS) s_act[i] = i < n ? __ldcg(src + i) : 0.f;
+// s_act[0..NPAD) = src[0..N) then zeros.
+template <int N, int NPAD>
+MK_DEVICE void stage_vector(const float* src, float* s_act) {
+#pragma unroll
+  for (int k = 0; k < (NPAD + MK_THREADS - 1) / MK_THREADS; k++) {
+    const int i = threadIdx.x + k * MK_THREADS;
+    if (i < NPAD) s_act[i] = i < N ? __ldcg(src + i) : 0.f;
+  }
   __syncthreads();
+}
+
+MK_DEVICE unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 MK_DEVICE bool is_stop(const MkParams& p, int tok) {
@@ -50,8 +73,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
   float* s_act = reinterpret_cast<float*>(smem + (size_t)kWarps * MK_RING * 512);
-  float* s_x = s_act + MK_ACT_FLOATS;
-  float* s_red = s_x + MK_HP;
+  float* s_red = s_act + MK_ACT_FLOATS;
   const int warp = threadIdx.x >> 5;
 
   WeightStream st;
@@ -60,10 +82,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
   const float invT = (float)p.inv_temperature;
+  // Optional phase timing (block 0, thread 0): ns spent from one barrier to the next, per phase kind.
+  const bool prof_on = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
+  unsigned long long prof[7] = {0, 0, 0, 0, 0, 0, 0};
+  unsigned long long t_mark = prof_on ? global_ns() : 0;
+#define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; t_mark = t_; }
 
   for (int step = 0;; step++) {
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
-    residual_norm(p.xbuf + xi * MK_HP, nullptr, p.dn_part, MK_S_DN, nullptr, nullptr, p.lnf, s_x, s_act, s_red);
+    residual_norm<MK_S_DN>(p.xbuf + xi * MK_HP, nullptr, p.dn_part, nullptr, nullptr, p.lnf, s_act, s_red);
     if (blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[0] = p.host_ctrl[MK_CTRL_CANCEL];
     float* logits = p.logits + (long long)step * p.logits_per_step;
     {
@@ -76,6 +103,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       if (st.lane == 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
     }
     grid_barrier(p.bar_count, p.bar_flag, epoch);
+    MK_MARK(0);
+    if (prof_on) prof[6]++;
 
     // ---- choose the token (same answer in every block), emit, stop checks ----
     int tok = reduce_best(p, s_red);
@@ -117,32 +146,39 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       const float* xs = p.xbuf + xi * MK_HP;
       float* xd = p.xbuf + (xi ^ 1) * MK_HP;
       if (layer == 0)
-        residual_norm(nullptr, p.embed + (long long)tok * MK_H, nullptr, 0, nullptr, xd, p.ln1, s_x, s_act, s_red);
+        residual_norm<0>(nullptr, p.embed + (long long)tok * MK_H, nullptr, nullptr, xd, p.ln1, s_act, s_red);
       else
-        residual_norm(xs, nullptr, p.dn_part, MK_S_DN, nullptr, xd, p.ln1 + layer * MK_H, s_x, s_act, s_red);
+        residual_norm<MK_S_DN>(xs, nullptr, p.dn_part, nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
       xi ^= 1;
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
       grid_barrier(p.bar_count, p.bar_flag, epoch);
+      MK_MARK(1);
 
       attention_phase(p, layer, pos, s_act);
       grid_barrier(p.bar_count, p.bar_flag, epoch);
+      MK_MARK(2);
 
-      stage_vector(p.attn_out, kQDim, MK_QP, s_act);
+      stage_vector<kQDim, MK_QP>(p.attn_out, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
       grid_barrier(p.bar_count, p.bar_flag, epoch);
+      MK_MARK(3);
 
-      residual_norm(p.xbuf + xi * MK_HP, nullptr, p.o_part, MK_S_O, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
-                    p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_x, s_act, s_red);
+      residual_norm<MK_S_O>(p.xbuf + xi * MK_HP, nullptr, p.o_part, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
+                            p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
       xi ^= 1;
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
         p.h_buf[u] = g / (1.f + __expf(-g)) * up;
       });
       grid_barrier(p.bar_count, p.bar_flag, epoch);
+      MK_MARK(4);
 
-      stage_vector(p.h_buf, MK_I, MK_IP, s_act);
+      stage_vector<MK_I, MK_IP>(p.h_buf, s_act);
       run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, float acc, float) { p.dn_part[u] = acc; });
       grid_barrier(p.bar_count, p.bar_flag, epoch);
+      MK_MARK(5);
     }
   }
+  if (prof_on)
+    for (int k = 0; k < 7; k++) p.profile[k] = prof[k];
   cp_async_wait_all();
 }

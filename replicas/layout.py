@@ -32,6 +32,7 @@ WARP_BYTES = CHUNK * 2
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on Hopper
 MAX_RING = 32  # weight-ring slots per warp (16-byte cp.async per lane each)
 ATTN_TILE = 64  # KV positions per attention tile (scores staged in shared memory)
+MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
 MAX_STOP_IDS = 16
 RED_FLOATS = 96  # block-reduction scratch in shared memory
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -58,6 +59,7 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("bar_count", "unsigned*"), ("bar_flag", "unsigned*"), ("cancel_step", "int*"),
     ("tokens", "int*"), ("forced", "const int*"), ("stop_ids", "const int*"),
     ("host_tokens", "volatile int*"), ("host_ctrl", "volatile int*"), ("shared_token", "int*"),
+    ("profile", "unsigned long long*"),  # null, or 7 counters: ns per phase kind + steps
     # scalars
     ("start_pos", "long long"), ("max_steps", "long long"), ("n_stop", "long long"),
     ("teacher", "long long"), ("mode", "long long"), ("top_k", "long long"),
@@ -188,9 +190,11 @@ class KernelLayout:
 
     @property
     def attn_floats(self) -> int:
-        """Attention scratch (aliases the activation buffer): q, k/v of the step, scores, stats."""
+        """Attention scratch (aliases the activation buffer): q, k/v of the step, scores, stats,
+        one tile of cached K and V (mirrors kAttnFloats in csrc/mk_attention.cuh)."""
         g, d = self.group, self.head_dim
-        return g * d + 2 * d + g * ATTN_TILE + 4 * g
+        stats_end = g * d + 2 * d + g * ATTN_TILE + 4 * g + 4
+        return round_up(stats_end, 4) + ATTN_TILE * d  # + bf16 K and V tiles [TILE][D] each
 
     @property
     def act_floats(self) -> int:
@@ -198,7 +202,7 @@ class KernelLayout:
 
     @property
     def smem_fixed(self) -> int:
-        return 4 * (self.act_floats + self.hp + RED_FLOATS)
+        return 4 * (self.act_floats + RED_FLOATS)
 
     @property
     def ring_slots(self) -> int:
@@ -212,7 +216,7 @@ class KernelLayout:
     @property
     def attn_splits_max(self) -> int:
         """KV-length splits per kv head (one block each); sized so every block has one."""
-        return max(1, self.num_sms // self.kv_heads)
+        return max(1, min(self.num_sms // self.kv_heads, MAX_ATTN_SPLITS))
 
     def packed_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shapes (uint16 elements) of the packed weight buffers."""
@@ -238,7 +242,7 @@ class KernelLayout:
             "MK_QKV_BIAS": int(self.qkv_bias), "MK_O_BIAS": int(self.o_bias), "MK_QK_NORM": int(self.qk_norm),
             "MK_MAX_CTX": self.max_ctx, "MK_THREADS": self.threads, "MK_RING": self.ring_slots,
             "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
-            "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS,
+            "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 

@@ -64,6 +64,7 @@ class MonokernelEngine:
 
         self._prefill = Prefill(self.gpu)
         self._busy = threading.Lock()
+        self.profile = None  # set to a CuPy uint64[7] to time the kernel's phases (bench/decode.py)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
@@ -104,6 +105,7 @@ class MonokernelEngine:
         try:
             cp = self.gpu.cp
             x_last, head = self.prefill(ids[:p], all_logits=True)
+            self.gpu.synchronize()  # the prefill ran on the engine's stream
             rows = [cp.asnumpy(head)]
             if len(ids) > p:
                 steps = len(ids) - p + 1
@@ -147,7 +149,8 @@ class MonokernelEngine:
                 mode = L.MODE_TOPKP
             seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(8), "little") >> 1
             gpu.launch(x_last, len(ids), budget, mode=mode, temperature=params.temperature,
-                       top_k=params.top_k, top_p=params.top_p, seed=seed, stop_ids=stops)
+                       top_k=params.top_k, top_p=params.top_p, seed=seed, stop_ids=stops,
+                       profile=self.profile)
             launched = True
             ctrl, toks = gpu.host_ctrl.array, gpu.host_tokens.array
             sent = 0

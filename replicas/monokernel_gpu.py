@@ -119,11 +119,13 @@ class GpuModel:
     # ---- one launch ------------------------------------------------------------------------
     def launch(self, x_last, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None, logits=None) -> None:
+               stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None, logits=None,
+               profile=None) -> None:
         """Start the persistent kernel (asynchronously) on `self.stream`.
 
         x_last: the prompt's last hidden state [H] fp32 (CuPy). forced: teacher-forced tokens
-        (then `logits` [max_steps, V] receives every step's logits).
+        (then `logits` [max_steps, V] receives every step's logits). profile: optional CuPy uint64[7]
+        receiving ns per phase kind (LM+sample, QKV, attention, O, gate/up, down) and the step count.
         """
         cp, lay, w = self.cp, self.layout, self.work
         if len(stop_ids) > L.MAX_STOP_IDS:
@@ -150,6 +152,7 @@ class GpuModel:
                 "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
                 "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
                 "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
+                "profile": profile.data.ptr if profile is not None else 0,
             }
             scalars = {
                 "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
@@ -157,6 +160,8 @@ class GpuModel:
                 "inv_temperature": 1.0 / temperature if temperature > 0 else 1.0, "top_p": top_p,
                 "logits_per_step": self.config.vocab_size if logits is not None else 0,
             }
+            missing = {n for n, _ in L.PARAM_FIELDS} - set(ptrs) - set(scalars)
+            assert not missing, f"parameter block fields without a value: {missing}"
             slots = np.zeros(len(L.PARAM_FIELDS), np.uint64)
             for i, (name, ctype) in enumerate(L.PARAM_FIELDS):
                 if name in ptrs:

@@ -33,12 +33,45 @@ class Prefill:
             import cupy as xp
         self.cp = xp
         self.m = model
+        self.blas = None
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
 
             self.widen, self.narrow = (lambda a: to_f32(xp, a)), (lambda a: to_bf16_bits(xp, a))
         else:
+            from replicas.monokernel_blas import Blas
+
             self.widen, self.narrow = _kernels(xp)
+            self.blas = Blas(xp)
+
+    def _linear(self, x, w, k: int):
+        """x fp32 [T, K] @ w[:, :K]^T (w: packed bf16 rows) -> fp32; bf16 tensor cores on the GPU."""
+        if self.blas is None:
+            return x @ self.widen(w[:, :k]).T
+        return self.blas.linear(self.cp.ascontiguousarray(self.narrow(x)), w, k)
+
+    def _attention(self, q, k_bits, v_bits, n: int):
+        """Causal GQA attention of q [T, NH, D] (roped, unscaled) over the cache rows 0..T-1 of layer n."""
+        cp, c = self.cp, self.m.config
+        T, NKV, G, D = q.shape[0], c.num_key_value_heads, c.group_size, c.head_dim
+        scale = 1.0 / math.sqrt(D)
+        if self.blas is not None:
+            qb = cp.ascontiguousarray(self.narrow(q.reshape(T, NKV, G, D).transpose(1, 0, 2, 3)))
+            out = self.blas.causal_attention(qb, self.m.k_cache[n], self.m.v_cache[n], self.m.k_cache.shape[2], G, scale)
+            return out.transpose(1, 0, 2, 3).reshape(T, NKV * G * D)
+        kf = self.widen(k_bits).transpose(1, 0, 2)  # [NKV, T, D]
+        vf = self.widen(v_bits).transpose(1, 0, 2)
+        qg = (q * scale).reshape(T, NKV, G, D).transpose(1, 2, 0, 3)  # [NKV, G, T, D]
+        causal = cp.arange(T)[None, :] > cp.arange(T)[:, None]  # [T, T] True = masked
+        attn = cp.empty((NKV, G, T, D), cp.float32)
+        for s in range(0, T, QUERY_BLOCK):
+            e = min(T, s + QUERY_BLOCK)
+            sc = qg[:, :, s:e] @ kf[:, None].transpose(0, 1, 3, 2)  # [NKV, G, b, T]
+            sc = cp.where(causal[s:e][None, None], -cp.inf, sc)
+            sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
+            sc /= sc.sum(axis=-1, keepdims=True)
+            attn[:, :, s:e] = sc @ vf[:, None]
+        return attn.transpose(2, 0, 1, 3).reshape(T, NKV * G * D)
 
     def _f32(self, bits):
         return self.widen(bits)
@@ -59,16 +92,13 @@ class Prefill:
         c, w = m.config, m.weights
         T = len(ids)
         H, Q, KV, I, D = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim
-        NH, NKV, G = c.num_attention_heads, c.num_key_value_heads, c.group_size
-        ids_d = cp.asarray(ids, dtype=cp.int64)  # noqa: F841 (gather index)
+        NH, NKV = c.num_attention_heads, c.num_key_value_heads
+        ids_d = cp.asarray(ids, dtype=cp.int64)
         x = self._f32(w["embed"][ids_d])  # [T, H]
         cos = m.rope_cos[:T][:, None, :]
         sin = m.rope_sin[:T][:, None, :]
-        scale = 1.0 / math.sqrt(D)
-        causal = cp.arange(T)[None, :] > cp.arange(T)[:, None]  # [T, T] True = masked
         for n in range(c.num_hidden_layers):
-            h = self._rms(x, w["ln1"][n])
-            qkv = h @ self._f32(w["w_qkv"][n, :, :H]).T
+            qkv = self._linear(self._rms(x, w["ln1"][n]), w["w_qkv"][n], H)
             if c.qkv_bias:
                 qkv += w["qkv_bias"][n]
             q = qkv[:, :Q].reshape(T, NH, D)
@@ -77,32 +107,18 @@ class Prefill:
             if c.qk_norm:
                 q = self._rms(q, w["q_norm"][n])
                 k = self._rms(k, w["k_norm"][n])
-            q = self._rope(q, cos, sin) * scale
             k_bits = self.narrow(self._rope(k, cos, sin))
             v_bits = self.narrow(v)
             m.k_cache[n, :, :T, :] = k_bits.transpose(1, 0, 2)
             m.v_cache[n, :, :T, :] = v_bits.transpose(1, 0, 2)
-            kf = self._f32(k_bits).transpose(1, 0, 2)  # [NKV, T, D]
-            vf = self._f32(v_bits).transpose(1, 0, 2)
-            # GQA: query head j uses kv head j // G; group the G heads of a kv head as extra rows.
-            qg = q.reshape(T, NKV, G, D).transpose(1, 2, 0, 3)  # [NKV, G, T, D]
-            attn = cp.empty((NKV, G, T, D), cp.float32)
-            for s in range(0, T, QUERY_BLOCK):
-                e = min(T, s + QUERY_BLOCK)
-                sc = qg[:, :, s:e] @ kf[:, None].transpose(0, 1, 3, 2)  # [NKV, G, b, T]
-                sc = cp.where(causal[s:e][None, None], -cp.inf, sc)
-                sc = cp.exp(sc - sc.max(axis=-1, keepdims=True))
-                sc /= sc.sum(axis=-1, keepdims=True)
-                attn[:, :, s:e] = sc @ vf[:, None]
-            attn = attn.transpose(2, 0, 1, 3).reshape(T, Q)
-            x += attn @ self._f32(w["w_o"][n, :, :Q]).T
+            attn = self._attention(self._rope(q, cos, sin), k_bits, v_bits, n)
+            x += self._linear(attn, w["w_o"][n], Q)
             if c.o_bias:
                 x += w["o_bias"][n]
-            h = self._rms(x, w["ln2"][n])
-            gu = (h @ self._f32(w["w_gu"][n, :, :, :H]).reshape(2 * I, H).T).reshape(T, I, 2)
+            gu = self._linear(self._rms(x, w["ln2"][n]), w["w_gu"][n].reshape(2 * I, -1), H).reshape(T, I, 2)
             g, u = gu[..., 0], gu[..., 1]
-            x += (g / (1.0 + cp.exp(-g)) * u) @ self._f32(w["w_dn"][n, :, :I]).T
+            x += self._linear(g / (1.0 + cp.exp(-g)) * u, w["w_dn"][n], I)
         logits = None
         if all_logits:
-            logits = self._rms(x, w["lnf"]) @ self._f32(w["w_lm"][:, :H]).T
+            logits = self._linear(self._rms(x, w["lnf"]), w["w_lm"], H)
         return x[-1].copy(), logits

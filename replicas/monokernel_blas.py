@@ -1,0 +1,112 @@
+"""bf16 tensor-core GEMMs for the prefill: cuBLAS `gemmEx` through CuPy's bindings.
+
+CuPy has no bf16 dtype, but the packed weights already are bf16 bit patterns (uint16), so the
+products read them in place (no widening copy) with bf16 inputs, fp32 accumulation and fp32
+outputs. Row-major Y[T, N] = X[T, K] @ W[N, K]^T is the column-major product W^T-op times X.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+OP_N, OP_T = 0, 1
+R_32F, R_16BF = 0, 14
+COMPUTE_32F = 68
+GEMM_DEFAULT = -1
+
+_SOFTMAX = r"""
+extern "C" __global__ void causal_softmax_bf16(const float* __restrict__ s, unsigned short* __restrict__ p,
+                                               int rows_per_batch, int ncols, int group, int q0) {
+  // One block per score row; row r of a batch is query position q0 + (r % rows_per_batch) / group.
+  const long long row = blockIdx.x;
+  const int t = q0 + (int)(row % rows_per_batch) / group;
+  const float* src = s + row * ncols;
+  unsigned short* dst = p + row * ncols;
+  __shared__ float red[32];
+  float mx = -3.0e38f;
+  for (int k = threadIdx.x; k <= t; k += blockDim.x) mx = fmaxf(mx, src[k]);
+  for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  mx = -3.0e38f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  float sum = 0.f;
+  for (int k = threadIdx.x; k <= t; k += blockDim.x) sum += __expf(src[k] - mx);
+  for (int o = 16; o; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < (int)(blockDim.x >> 5); w++) sum += red[w];
+  const float inv = 1.f / sum;
+  for (int k = threadIdx.x; k < ncols; k += blockDim.x) {
+    float v = k <= t ? __expf(src[k] - mx) * inv : 0.f;
+    unsigned int u = __float_as_uint(v);
+    dst[k] = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+"""
+
+
+def _cublas():
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older CuPy layouts
+        from cupy.cuda import cublas
+    return cublas
+
+
+class Blas:
+    """bf16 GEMMs on the current CuPy stream."""
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.lib = _cublas()
+        self._one = np.ones(1, np.float32)
+        self._zero = np.zeros(1, np.float32)
+        self._alpha = np.ones(1, np.float32)
+        self.softmax = cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
+
+    def _handle(self):
+        h = self.cp.cuda.device.get_cublas_handle()
+        self.lib.setStream(h, self.cp.cuda.get_current_stream().ptr)
+        return h
+
+    def linear(self, x_bits, w, k: int):
+        """x_bits [T, K] bf16 (uint16, contiguous) @ w[:, :K]^T -> fp32 [T, N]; w is a row-major
+        uint16 view [N, ldw] whose rows are contiguous (padded rows allowed)."""
+        cp = self.cp
+        t, n, ldw = x_bits.shape[0], w.shape[0], w.strides[0] // 2
+        assert x_bits.flags.c_contiguous and w.strides[-1] == 2 and x_bits.shape[1] == k
+        y = cp.empty((t, n), cp.float32)
+        self.lib.gemmEx(self._handle(), OP_T, OP_N, n, t, k, self._one.ctypes.data, w.data.ptr, R_16BF, ldw,
+                        x_bits.data.ptr, R_16BF, k, self._zero.ctypes.data, y.data.ptr, R_32F, n,
+                        COMPUTE_32F, GEMM_DEFAULT)
+        return y
+
+    def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float):
+        """q_bits [KV, T, G, D] bf16 (contiguous); k_heads/v_heads: uint16 [KV, max_ctx, D] cache views
+        holding positions 0..T-1. Returns fp32 [KV, T, G, D]."""
+        cp, lib = self.cp, self.lib
+        kv, t, g, d = q_bits.shape
+        out = cp.empty((kv, t, g, d), cp.float32)
+        qb = t if kv * g * t * t * 4 <= 2**30 else max(64, 2**30 // (kv * g * t * 4))
+        self._alpha[0] = scale
+        h = self._handle()
+        for s in range(0, t, qb):
+            e = min(t, s + qb)
+            rows = (e - s) * g
+            scores = cp.empty((kv, rows, e), cp.float32)
+            lib.gemmStridedBatchedEx(h, OP_T, OP_N, e, rows, d, self._alpha.ctypes.data,
+                                     k_heads.data.ptr, R_16BF, d, ctx_stride * d,
+                                     q_bits.data.ptr + s * g * d * 2, R_16BF, d, t * g * d,
+                                     self._zero.ctypes.data, scores.data.ptr, R_32F, e, rows * e,
+                                     kv, COMPUTE_32F, GEMM_DEFAULT)
+            probs = cp.empty((kv, rows, e), cp.uint16)
+            self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(e), np.int32(g), np.int32(s)))
+            lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, e, self._one.ctypes.data,
+                                     v_heads.data.ptr, R_16BF, d, ctx_stride * d,
+                                     probs.data.ptr, R_16BF, e, rows * e,
+                                     self._zero.ctypes.data, out.data.ptr + s * g * d * 4, R_32F, d, t * g * d,
+                                     kv, COMPUTE_32F, GEMM_DEFAULT)
+        return out
