@@ -222,3 +222,20 @@ def test_responses_are_not_held_back_by_nagle(stack):
             assert c.get(f"{stack.base_url}/models").status_code == 200
             times.append(time.perf_counter() - t0)
     assert statistics.median(times) < 0.02, f"median round trip {statistics.median(times) * 1e3:.1f} ms"
+
+
+def test_chat_extensions_change_the_rendered_prompt(client, stack):
+    def prompt_tokens(messages, **extra):
+        r = client.chat.completions.create(model=stack.model, messages=messages, max_tokens=1, temperature=0,
+                                           extra_body=extra or None)
+        return r.usage.prompt_tokens
+
+    developer = [{"role": "developer", "content": "You are terse."}, CHAT[1]]
+    assert prompt_tokens(developer) == prompt_tokens(CHAT) == len(stack.chat_ids(CHAT))  # developer = system
+    partial = [*CHAT, {"role": "assistant", "content": "Well,"}]
+    continued = stack.tok.encode(stack.template.render(partial, add_generation_prompt=False,
+                                                       continue_final_message=True), add_special_tokens=False)
+    assert prompt_tokens(partial, add_generation_prompt=False, continue_final_message=True) == len(continued)
+    r = httpx.post(f"{stack.base_url}/chat/completions", timeout=10, json={
+        "model": stack.model, "messages": partial, "continue_final_message": True})
+    assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"]
