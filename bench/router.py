@@ -81,7 +81,7 @@ class Target:
                 last = time.perf_counter()
                 first = first or last
                 n += len(msg.chunk.token_ids)
-        rate = (n - 1) / (last - first) if n > 1 else 0.0
+        rate = (n - 1) / max(last - first, 1e-6) if n > 1 else 0.0
         return first - t0, rate, n
 
 

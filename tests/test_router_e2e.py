@@ -59,7 +59,8 @@ class Result(tuple):
 
     def __new__(cls, ids, text, final, ttft, total, last):
         self = super().__new__(cls, (ids, text, final, ttft, total))
-        self.decode_tokens_per_s = (len(ids) - 1) / (last - ttft) if len(ids) > 1 else 0.0
+        # under heavy load a replica may put several tokens in one chunk: never divide by zero
+        self.decode_tokens_per_s = (len(ids) - 1) / max(last - ttft, 1e-6) if len(ids) > 1 else 0.0
         return self
 
 
