@@ -239,3 +239,19 @@ def test_chat_extensions_change_the_rendered_prompt(client, stack):
     r = httpx.post(f"{stack.base_url}/chat/completions", timeout=10, json={
         "model": stack.model, "messages": partial, "continue_final_message": True})
     assert r.status_code == 400 and "cannot both be true" in r.json()["error"]["message"]
+
+
+def test_async_client_streams_concurrently(stack):
+    import asyncio
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0) as aclient:
+            async def one(prompt):
+                stream = await aclient.completions.create(model=stack.model, prompt=prompt, max_tokens=8,
+                                                          temperature=0, stream=True)
+                return "".join([c.choices[0].text async for c in stream])
+
+            return await asyncio.gather(one("Once upon"), one("The quick brown fox"))
+
+    got = asyncio.run(main())
+    assert got == [stack.greedy(stack.tok.encode(p), 8)[1] for p in ("Once upon", "The quick brown fox")]
