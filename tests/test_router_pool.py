@@ -124,3 +124,22 @@ def test_removing_a_replica_without_drain_fails_its_requests_over(setup):
             threading.Thread(target=router.remove_replica, args=(removed, False)).start()
     assert ids == list(PacedEngine(tokens_per_s=1e6).generate([1, 2], SamplingParams(max_tokens=60)))
     assert final.replica_id != removed and final.usage.completion_tokens == 60
+
+
+def test_a_client_that_gives_up_while_queued_leaves_the_queue(setup):
+    router, replicas, stub = setup(1, rate=100.0)
+    busy = threading.Thread(target=final_of, args=(stub, request(max_tokens=30)))
+    busy.start()
+    time.sleep(0.05)
+    waiting = stub.Generate(request(), timeout=10)
+    end = time.monotonic() + 2
+    while router.queue_depth() == 0 and time.monotonic() < end:
+        time.sleep(0.005)
+    assert router.queue_depth() == 1
+    waiting.cancel()
+    end = time.monotonic() + 2
+    while router.queue_depth() and time.monotonic() < end:
+        time.sleep(0.005)
+    assert router.queue_depth() == 0
+    busy.join()
+    assert final_of(stub, request(max_tokens=2)).usage.completion_tokens == 2  # slot not leaked
