@@ -159,7 +159,7 @@ class OpenAIApp:
             raise HTTPError(400, "the request body is empty: send a JSON object (Content-Type: application/json)")
         try:
             return json.loads(body, parse_constant=_refuse_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as e:
             raise HTTPError(400, f"the request body is not valid JSON ({e}): send a JSON object") from None
 
     def _too_large(self) -> HTTPError:

@@ -92,6 +92,9 @@ def test_bad_requests_get_400_naming_the_problem_and_the_server_keeps_serving(st
         ("/completions", None, b'{"model": "%s", "prompt": "x", "temperature": NaN}' % m.encode(), "not valid JSON",
          None),
         ("/completions", None, b"\xff\xfe{}", "not valid JSON", None),
+        ("/completions", None, b"[" * 100_000, "not valid JSON", None),  # nesting deeper than the parser goes
+        ("/completions", None, b'{"model": "m", "prompt": "x", "seed": 1%s}' % (b"0" * 5000), "not valid JSON",
+         None),
         ("/completions", {"model": m, "prompt": "x", "max_tokens": "5"}, None, "valid integer", "max_tokens"),
         ("/completions", {"model": m, "prompt": "x", "max_token": 5}, None, "unknown field `max_token`", "max_token"),
         ("/completions", {"model": m}, None, "`prompt` is required", "prompt"),
