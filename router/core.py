@@ -18,6 +18,7 @@ exactly one final) and raises `RouterError` (a gRPC status) for every failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
@@ -128,8 +129,10 @@ class Router:
             running = self._running[request_id] = _Running()
             try:
                 stream = _Stream(self, req, prepared, request_id, running, deadline, t0)
-                async for response in stream.run():
-                    yield response
+                # aclosing: a caller that closes us early cancels the replica call now, not at GC
+                async with contextlib.aclosing(stream.run()) as responses:
+                    async for response in responses:
+                        yield response
                 outcome = stream.outcome
             finally:
                 del self._running[request_id]

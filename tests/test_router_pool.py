@@ -143,3 +143,33 @@ def test_a_client_that_gives_up_while_queued_leaves_the_queue(setup):
     assert router.queue_depth() == 0
     busy.join()
     assert final_of(stub, request(max_tokens=2)).usage.completion_tokens == 2  # slot not leaked
+
+
+def test_an_in_process_caller_closing_the_stream_stops_the_replica():
+    import asyncio
+
+    engine = PacedEngine(tokens_per_s=100)
+    replica = ReplicaServer(engine)
+    replica.start()
+    router = RouterServer([replica.address])
+    router.start()
+    try:
+        router.wait_ready()
+
+        async def read_three_then_close():
+            stream = router.router.generate(request(max_tokens=500))
+            got = 0
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    break
+            await stream.aclose()
+
+        asyncio.run_coroutine_threadsafe(read_three_then_close(), router._loop).result(5)
+        end = time.monotonic() + 0.1  # well within one token (10 ms) plus scheduling
+        while engine.active and time.monotonic() < end:
+            time.sleep(0.001)
+        assert engine.active == 0 and engine.last_generation.num_tokens <= 5
+    finally:
+        router.stop()
+        replica.stop(grace=0)
