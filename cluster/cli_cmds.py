@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,12 +74,15 @@ def cmd_up(args) -> int:
         return 2
     bar = tqdm(total=config.replicas.min, desc="replicas ready", unit="replica", file=sys.stderr)
 
+    shown = [None]
+
     def progress(status):
         ready = sum(r["phase"] == "ready" and bool(r["router_state"]) for r in status["replicas"])
-        bar.n = min(ready, bar.total)
         starting = sum(r["phase"] == "starting" for r in status["replicas"])
-        bar.set_postfix_str(f"{starting} starting")
-        bar.refresh()
+        if (ready, starting) != shown[0]:  # redraw on change only (quiet in logs)
+            shown[0] = (ready, starting)
+            bar.n = min(ready, bar.total)
+            bar.set_postfix_str(f"{starting} starting")
 
     try:
         launcher.up(config, progress=progress)
@@ -91,7 +95,9 @@ def cmd_up(args) -> int:
     if not local:
         print("monoserve is up; `monoserve status` shows it, `monoserve down` stops it.")
         return 0
-    print("local Ray cluster: serving until Ctrl-C (or `monoserve down` from another shell)", flush=True)
+    address = ray.get_runtime_context().gcs_address
+    print(f"local Ray cluster at {address}: serving until Ctrl-C "
+          f"(or `monoserve status|down --address {address}` from another shell)", flush=True)
     try:
         launcher.wait_until_down(config.ray.namespace)
     except KeyboardInterrupt:
@@ -101,8 +107,20 @@ def cmd_up(args) -> int:
     return 0
 
 
+def _token_auth_env() -> None:
+    """Ray's token auth (on by default for local clusters): a client joining by address sends the
+    token (~/.ray/auth_token or RAY_AUTH_TOKEN) only in token mode, which Ray reads at import —
+    so call this before anything imports ray."""
+    if "RAY_AUTH_MODE" not in os.environ and (
+            "RAY_AUTH_TOKEN" in os.environ or (Path.home() / ".ray" / "auth_token").is_file()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _join(address: str, namespace: str) -> None:
     import ray
+
+    if ray.is_initialized():  # already connected (e.g. called in-process)
+        return
 
     from cluster.launcher import ClusterError, worker_runtime_env
 
@@ -114,6 +132,7 @@ def _join(address: str, namespace: str) -> None:
 
 
 def cmd_status(args) -> int:
+    _token_auth_env()
     from cluster import launcher
 
     try:
@@ -129,6 +148,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_down(args) -> int:
+    _token_auth_env()
     from cluster import launcher
 
     try:

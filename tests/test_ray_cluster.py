@@ -199,3 +199,22 @@ def test_scales_up_under_queued_load_and_down_when_idle_without_cutting_requests
         stop.set()
         watcher.join()
     assert {1, 2} <= counts
+
+
+def test_cli_up_status_down(ray_cluster, tiny_checkpoint, capsys):
+    from cluster.cli import main
+
+    gcs = ray.get_runtime_context().gcs_address
+    assert main(["up", "--address", gcs, "--model", str(tiny_checkpoint), "--engine", "paced",
+                 "--replicas", "1", "--port", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "monoserve is up" in out and "paced" in out
+    assert main(["status", "--address", gcs, "--events"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas  target 1 (min 1, max 1)" in out and "registered with the router" in out
+    assert main(["up", "--address", gcs, "--model", str(tiny_checkpoint)]) == 1  # already up
+    assert "already up" in capsys.readouterr().err
+    assert main(["down", "--address", gcs]) == 0
+    assert "monoserve stopped" in capsys.readouterr().out
+    assert main(["status", "--address", gcs]) == 1
+    assert "not up" in capsys.readouterr().err
