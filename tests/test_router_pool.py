@@ -173,3 +173,33 @@ def test_an_in_process_caller_closing_the_stream_stops_the_replica():
     finally:
         router.stop()
         replica.stop(grace=0)
+
+
+def test_two_routers_racing_for_one_slot_both_complete():
+    """A replica refusing for lack of a slot (RESOURCE_EXHAUSTED) is not a failure: the losing
+    router waits for the replica's next load report and then gets the slot."""
+    from replicas.engine import SamplingParams
+
+    replica = ReplicaServer(PacedEngine(tokens_per_s=200))
+    replica.start()
+    routers = [RouterServer([replica.address]) for _ in range(2)]
+    try:
+        for r in routers:
+            r.start()
+            r.wait_ready()
+        stubs = [inference_pb2_grpc.InferenceStub(grpc.insecure_channel(r.address)) for r in routers]
+        finals = {}
+        threads = [threading.Thread(target=lambda i=i: finals.update({i: list(stubs[i].Generate(
+            request(ids=(i + 1,), max_tokens=20), timeout=10))})) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, msgs in finals.items():
+            ids = [t for m in msgs[:-1] for t in m.chunk.token_ids]
+            assert ids == list(PacedEngine(tokens_per_s=1e6).generate([i + 1], SamplingParams(max_tokens=20)))
+        assert all(r.metrics.registry.get_sample_value("monoserve_router_failovers_total") == 0 for r in routers)
+    finally:
+        for r in routers:
+            r.stop()
+        replica.stop(grace=0)
