@@ -143,8 +143,8 @@ class ReplicaHandle:
     async def _watch_load(self) -> None:
         while True:
             try:
-                if self.info is None:
-                    self.info = await self.stub.GetInfo(replica_pb2.GetInfoRequest(), wait_for_ready=True)
+                # on every (re)connection: a restarted replica may serve a different build
+                self.info = await self.stub.GetInfo(replica_pb2.GetInfoRequest(), wait_for_ready=True)
                 async for load in self.stub.WatchLoad(replica_pb2.WatchLoadRequest(), wait_for_ready=True):
                     if self.load is not None and load.version and load.version < self.load.version \
                             and load.replica_id == self.load.replica_id:
