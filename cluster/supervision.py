@@ -10,7 +10,8 @@ Rules, in order:
    ready within `start_timeout_s` is removed (its running requests fail over in the router).
 2. A ready replica that the router does not know yet is registered.
 3. Fewer live replicas than the target -> start the missing ones (this is how a dead replica
-   gets replaced).
+   gets replaced). Replicas that fail to start (bad checkpoint, no GPUs) are retried with
+   exponential backoff until one gets ready again.
 4. Router queue non-empty for `scale_up_after_s` (and nothing already starting) -> target + 1,
    up to max.
 5. Queue empty and a replica idle for `scale_down_idle_s` -> target - 1 (down to min), drain
@@ -60,6 +61,8 @@ class Policy:
     scale_down_idle_s: float = 60.0
     health_timeout_s: float = 10.0
     start_timeout_s: float = 600.0
+    start_backoff_s: float = 1.0  # wait after the first failed start; doubles per failure
+    max_start_backoff_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Memory:
     target: int
     queue_busy_since: float | None = None  # when the router queue became non-empty
     idle_since: dict[str, float] = field(default_factory=dict)  # ready replica -> idle since
+    start_failures: int = 0  # failed starts since a replica last got ready
+    last_failure_at: float | None = None
+    start_not_before: float = float("-inf")  # backoff: no new replica before this time
 
 
 @dataclass(frozen=True)
@@ -107,10 +113,17 @@ def plan(snap: Snapshot, memory: Memory, policy: Policy) -> tuple[list[Action], 
     live: list[ReplicaView] = []  # starting or ready after rule 1
 
     # 1. remove the dead, the unresponsive and the stuck
+    failures, last_failure_at, not_before = memory.start_failures, memory.last_failure_at, memory.start_not_before
+    if failures and any(r.phase is Phase.READY and r.started_at > (last_failure_at or 0) for r in snap.replicas):
+        failures = 0  # a replica started after the last failure got ready: starting works again
     for r in snap.replicas:
         reason = _failure(r, now, policy)
         if reason:
             actions.append(Remove(r.name, reason))
+            if r.address is None:  # never got ready: a failed start
+                failures += 1
+                last_failure_at = now
+                not_before = now + min(policy.max_start_backoff_s, policy.start_backoff_s * 2 ** (failures - 1))
         elif r.phase in (Phase.STARTING, Phase.READY):
             live.append(r)
 
@@ -149,13 +162,14 @@ def plan(snap: Snapshot, memory: Memory, policy: Policy) -> tuple[list[Action], 
 
     # 3. start what is missing (replacements and scale-up)
     missing = target - len(live)
-    if missing > 0:
+    if missing > 0 and now >= not_before:
         actions.append(Start(missing))
 
     # 6. retire drained replicas
     actions += [Remove(r.name, "drained") for r in draining if r.busy == 0]
 
-    return actions, replace(memory, target=target, queue_busy_since=queue_busy_since, idle_since=idle_since)
+    return actions, replace(memory, target=target, queue_busy_since=queue_busy_since, idle_since=idle_since,
+                            start_failures=failures, last_failure_at=last_failure_at, start_not_before=not_before)
 
 
 def _failure(r: ReplicaView, now: float, policy: Policy) -> str | None:

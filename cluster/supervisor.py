@@ -16,14 +16,15 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+import grpc
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.router_actor import HEAD_NODE_RESOURCE, ROUTER_ACTOR_NAME, RouterActor, RouterAdminClient
-from monoserve.v1 import admin_pb2
 from cluster.supervision import Drain, Memory, Phase, Policy, Register, Remove, ReplicaView, Snapshot, Start, plan
+from monoserve.v1 import admin_pb2
 from replicas.actor import ReplicaSpec, placement_bundle, remote_class
 
 log = logging.getLogger("monoserve.supervisor")
@@ -74,7 +75,9 @@ class Supervisor:
     def _start_router(self) -> None:
         r = self.config.router
         self.router = ray.remote(RouterActor).options(
-            name=ROUTER_ACTOR_NAME, lifetime="detached", num_cpus=r.cpus, max_restarts=0,
+            # Ray restarts a crashed router (same args, so the same port when one is configured);
+            # the next round finds its pool empty and registers every ready replica again
+            name=ROUTER_ACTOR_NAME, lifetime="detached", num_cpus=r.cpus, max_restarts=-1,
             resources={HEAD_NODE_RESOURCE: 0.001},
         ).remote(r.host, r.port, r.http_port, r.metrics_port,
                  str(self.config.model) if self.config.model else None, self.config.served_model_name, r.queue_size)
@@ -151,7 +154,11 @@ class Supervisor:
                     r.health_ref = r.actor.health.remote()
 
     def _poll_router(self) -> None:
-        reply = self.admin.list()
+        try:
+            reply = self.admin.list()
+        except grpc.RpcError:
+            self._reconnect_router()  # raises while the router is still restarting
+            reply = self.admin.list()
         self.queue_depth = reply.queue_depth
         self.router_pool = {s.address: s for s in reply.replicas}
 
@@ -162,6 +169,15 @@ class Supervisor:
             busy = max(busy, entry.router_running, entry.load.busy_slots)
         return ReplicaView(r.name, r.phase, r.started_at, address=r.address, registered=entry is not None,
                            busy=busy, last_healthy_at=r.last_healthy_at)
+
+    def _reconnect_router(self) -> None:
+        addresses = ray.get(self.router.addresses.remote(), timeout=5)
+        if addresses != self.router_addresses:
+            self._event(f"router restarted, now serving on {addresses['grpc']}")
+        self.router_addresses = addresses
+        self.admin.close()
+        self.admin = RouterAdminClient(addresses["grpc"])
+        self.router_pool = {}
 
     # -- actions ---------------------------------------------------------------------------------
 

@@ -40,10 +40,12 @@ def test_dead_replica_is_removed_and_replaced():
 def test_unresponsive_and_stuck_replicas_are_removed():
     silent = ready("a", healthy_at=1.0)
     stuck = ReplicaView("b", Phase.STARTING, started_at=0.0)
-    actions, _ = run([silent, stuck], now=150, memory=Memory(target=2))
+    actions, mem = run([silent, stuck], now=150, memory=Memory(target=2))
     assert Remove("a", "no healthy answer for 149s") in actions
     assert Remove("b", "not ready after 100s") in actions
-    assert Start(2) in actions
+    assert not any(isinstance(a, Start) for a in actions)  # a stuck start backs off first
+    actions, _ = run([], now=151, memory=mem)
+    assert actions == [Start(2)]
 
 
 def test_scale_up_only_after_queue_stayed_busy_long_enough():
@@ -116,3 +118,27 @@ def test_autoscale_off_keeps_min():
     actions, mem = run([ready("a", busy=1, healthy_at=99)], now=100, memory=Memory(target=1, queue_busy_since=0),
                        queue=5, policy=policy)
     assert actions == [] and mem.target == 1
+
+
+def test_failed_starts_are_retried_with_growing_backoff_until_one_gets_ready():
+    def failed(name, started_at):
+        return ReplicaView(name, Phase.DEAD, started_at)  # never got an address
+
+    actions, mem = run([failed("a", 0)], now=10)
+    assert actions == [Remove("a", "died")] and mem.start_failures == 1  # no restart before 11
+    actions, mem = run([], now=10.5, memory=mem)
+    assert actions == []
+    actions, mem = run([], now=11, memory=mem)
+    assert actions == [Start(1)]
+    actions, mem = run([failed("b", 11)], now=12, memory=mem)
+    assert actions == [Remove("b", "died")] and mem.start_not_before == 14  # backoff doubled
+    actions, mem = run([], now=14, memory=mem)
+    assert actions == [Start(1)]
+    actions, mem = run([ready("c", started_at=14, healthy_at=15)], now=15, memory=mem)
+    assert mem.start_failures == 0
+
+
+def test_a_replica_dying_after_it_was_ready_is_replaced_at_once():
+    dead = ReplicaView("a", Phase.DEAD, 0.0, address="a:1")
+    actions, mem = run([dead], now=50)
+    assert actions == [Remove("a", "died"), Start(1)] and mem.start_failures == 0

@@ -201,6 +201,18 @@ def test_scales_up_under_queued_load_and_down_when_idle_without_cutting_requests
     assert {1, 2} <= counts
 
 
+def test_crashed_router_is_restarted_and_replicas_re_registered(bring_up, tiny_checkpoint):
+    status, _ = bring_up(make_config(tiny_checkpoint, engine="paced", replicas=(1, 1)))
+    router = ray.get_actor("monoserve-router", namespace="monoserve")
+    ray.kill(router, no_restart=False)  # a crash: Ray restarts the actor
+    wait_for(lambda: any("router restarted" in e for e in launcher.status()["events"]) and
+             len(ready_replicas(launcher.status())) == 1, timeout=60, what="router restart + re-registration")
+    s = launcher.status()
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(s["router"]["grpc"]))
+    tokens, final = generate(stub, [1, 2, 3], 5)
+    assert len(tokens) == 5 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
 def test_cli_up_status_down(ray_cluster, tiny_checkpoint, capsys):
     from cluster.cli import main
 
