@@ -203,3 +203,46 @@ def test_two_routers_racing_for_one_slot_both_complete():
         for r in routers:
             r.stop()
         replica.stop(grace=0)
+
+
+def test_a_replica_whose_engine_keeps_failing_is_ejected():
+    from monoserve.v1 import admin_pb2, admin_pb2_grpc
+
+    from replicas.engine import SamplingParams
+
+    broken, good = PacedEngine(tokens_per_s=2000, fail_after=0), PacedEngine(tokens_per_s=2000)
+    replicas = [ReplicaServer(broken), ReplicaServer(good)]
+    for r in replicas:
+        r.start()
+    router = RouterServer([r.address for r in replicas])
+    router.start()
+    try:
+        router.wait_ready(2)
+        with grpc.insecure_channel(router.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            out = {}
+
+            def one(i):
+                msgs = list(stub.Generate(request(ids=(i + 1,), max_tokens=5), timeout=10))
+                out[i] = [t for m in msgs[:-1] for t in m.chunk.token_ids]
+
+            for round_ in range(5):  # pairs, so that both replicas get requests
+                pair = [threading.Thread(target=one, args=(2 * round_ + k,)) for k in range(2)]
+                for t in pair:
+                    t.start()
+                for t in pair:
+                    t.join()
+            for i, ids in out.items():
+                assert ids == list(PacedEngine(tokens_per_s=1e6).generate([i + 1], SamplingParams(max_tokens=5)))
+            # ejected after a failure (until its next healthy report), and for good once the
+            # replica itself turns unhealthy (3 failures): half the traffic never reaches it
+            assert 1 <= broken.started <= 3
+            states = {r.address: r.state for r in admin_pb2_grpc.RouterAdminStub(channel).ListReplicas(
+                admin_pb2.ListReplicasRequest()).replicas}
+            if broken.started == 3:
+                assert states[replicas[0].address] == admin_pb2.REPLICA_STATE_EJECTED
+            assert router.metrics.registry.get_sample_value("monoserve_router_failovers_total") == broken.started
+    finally:
+        router.stop()
+        for r in replicas:
+            r.stop(grace=0)
