@@ -1,7 +1,8 @@
 // Attention for one decode step of one layer: q/k/v of the new token from the QKV partials
 // (+bias, Qwen3 q/k RMSNorm, RoPE), KV-cache append, then GQA attention over the whole cache,
-// split over KV length: block `item` handles (kv head g, split s); the last split of a kv head
-// to finish combines all splits' (max, sum, output) into attn_out. No grid barrier inside.
+// split over KV length: block `item` handles (kv head g, split s) and publishes its unnormalised
+// partial (max, sum, output). After the grid barrier every block combines the partials while
+// staging the O-projection input (combine_attention), so no atomics or second pass are needed.
 #pragma once
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
@@ -17,14 +18,18 @@ constexpr int kAttnStats = kAttnSC + kGroup * MK_ATTN_TILE; // m, l, alpha per h
 constexpr int kAttnKV = (kAttnStats + 4 * kGroup + 4 + 3) / 4 * 4;  // bf16 K tile then V tile
 constexpr int kAttnFloats = kAttnKV + MK_ATTN_TILE * MK_D;
 static_assert(kAttnFloats <= MK_ACT_FLOATS, "attention scratch exceeds the activation buffer");
-static_assert(3 * MK_MAX_SPLITS * kGroup <= MK_ATTN_TILE * MK_D, "combine scratch");
+static_assert(MK_QP + 2 * MK_NH * MK_MAX_SPLITS <= MK_ACT_FLOATS, "combine scratch");
 constexpr int kRowPieces = MK_D / 8;                        // 16-byte pieces per K/V row
+
+// KV-length splits per kv head for a context of `ctx` positions (>= ~64 positions per split).
+MK_DEVICE int split_capacity() { return max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS)); }
+MK_DEVICE int num_splits(int ctx) { return max(1, min(split_capacity(), (ctx + 63) / 64)); }
 
 MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctx = pos + 1;
-  const int split_cap = max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS));  // partials: [NKV][split_cap]
-  const int nsplit = max(1, min(split_cap, (ctx + 31) / 32));
+  const int split_cap = split_capacity();  // partials: [NKV][split_cap]
+  const int nsplit = num_splits(ctx);
   const int items = MK_NKV * nsplit;
   float* s_q = s_act + kAttnQ;
   float* s_kc = s_act + kAttnKC;
@@ -33,7 +38,6 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
   float* s_m = s_act + kAttnStats;
   float* s_l = s_m + kGroup;
   float* s_alpha = s_l + kGroup;
-  int* s_last = reinterpret_cast<int*>(s_alpha + kGroup);
   uint16_t* s_k = reinterpret_cast<uint16_t*>(s_act + kAttnKV);  // [TILE][D]
   uint16_t* s_v = s_k + MK_ATTN_TILE * MK_D;
   const float qscale = rsqrtf((float)MK_D);
@@ -170,37 +174,43 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       if (idx < kGroup * MK_D) p.attn_o[pbase * MK_D + idx] = o[k];
     }
     if (tid < kGroup) { p.attn_m[pbase + tid] = s_m[tid]; p.attn_l[pbase + tid] = s_l[tid]; }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) *s_last = atomicAdd(p.attn_cnt + g, 1u) == (unsigned)(nsplit - 1);
-    __syncthreads();
-    if (*s_last) {
-      __threadfence();
-      float* s_cm = reinterpret_cast<float*>(s_k);  // [nsplit][kGroup] maxima, sums, weights
-      float* s_cl = s_cm + MK_MAX_SPLITS * kGroup;
-      float* s_cw = s_cl + MK_MAX_SPLITS * kGroup;
-      const long long gbase = (long long)g * split_cap * kGroup;
-      for (int i = tid; i < nsplit * kGroup; i += MK_THREADS) {
-        s_cm[i] = __ldcg(p.attn_m + gbase + i);
-        s_cl[i] = __ldcg(p.attn_l + gbase + i);
-      }
-      __syncthreads();
-      if (tid < kGroup) {
-        float M = -INFINITY, den = 0.f;
-        for (int q = 0; q < nsplit; q++) M = fmaxf(M, s_cm[q * kGroup + tid]);
-        for (int q = 0; q < nsplit; q++) den += __expf(s_cm[q * kGroup + tid] - M) * s_cl[q * kGroup + tid];
-        for (int q = 0; q < nsplit; q++) s_cw[q * kGroup + tid] = __expf(s_cm[q * kGroup + tid] - M) / den;
-      }
-      __syncthreads();
-      for (int idx = tid; idx < kGroup * MK_D; idx += MK_THREADS) {
-        const int h = idx / MK_D;
-        float num = 0.f;
-#pragma unroll 8
-        for (int q = 0; q < nsplit; q++) num += s_cw[q * kGroup + h] * __ldcg(p.attn_o + (gbase + q * kGroup) * MK_D + idx);
-        p.attn_out[g * kGroup * MK_D + idx] = num;
-      }
-      if (tid == 0) atomicExch(p.attn_cnt + g, 0u);
-    }
     __syncthreads();
   }
+}
+
+// Every block, after the barrier: attn_out = softmax-weighted combination of the splits'
+// partials, staged straight into s_act[0..QP) as the O-projection input (zero padded).
+MK_DEVICE void combine_attention(const MkParams& p, int pos, float* s_act) {
+  const int tid = threadIdx.x;
+  const int cap = split_capacity(), nsplit = num_splits(pos + 1);
+  float* s_w = s_act + MK_QP;  // [NH][nsplit] weights
+  for (int i = tid; i < MK_NH * nsplit; i += MK_THREADS) {
+    const int h = i / nsplit, s = i % nsplit;
+    const long long b = ((long long)(h / kGroup) * cap + s) * kGroup + h % kGroup;
+    s_w[i] = __ldcg(p.attn_m + b);
+    s_w[MK_NH * nsplit + i] = __ldcg(p.attn_l + b);
+  }
+  __syncthreads();
+  for (int h = tid; h < MK_NH; h += MK_THREADS) {
+    float M = -INFINITY, den = 0.f;
+    for (int s = 0; s < nsplit; s++) M = fmaxf(M, s_w[h * nsplit + s]);
+    for (int s = 0; s < nsplit; s++) den += __expf(s_w[h * nsplit + s] - M) * s_w[MK_NH * nsplit + h * nsplit + s];
+    for (int s = 0; s < nsplit; s++) s_w[h * nsplit + s] = __expf(s_w[h * nsplit + s] - M) / den;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < (MK_QP + MK_THREADS - 1) / MK_THREADS; k++) {
+    const int i = tid + k * MK_THREADS;
+    if (i < MK_QP) {
+      float acc = 0.f;
+      if (i < kQDim) {
+        const int h = i / MK_D, d = i % MK_D;
+        const float* o = p.attn_o + ((long long)(h / kGroup) * cap * kGroup + h % kGroup) * MK_D + d;
+#pragma unroll 4
+        for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
+      }
+      s_act[i] = acc;
+    }
+  }
+  __syncthreads();
 }

@@ -80,28 +80,21 @@ MK_DEVICE void warp_argmax(float& v, int& i) {
   }
 }
 
-// ---- grid barrier: one arrival counter + a release flag (epoch) polled read-only ----
+// ---- grid barrier: one monotonically growing arrival counter (no reset on the critical path);
+// barrier number e completes when the counter reaches e * gridDim.x. ----
 MK_DEVICE unsigned ld_acquire(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-MK_DEVICE void st_release(unsigned* p, unsigned v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-MK_DEVICE void grid_barrier(unsigned* count, unsigned* flag, unsigned& epoch) {
+MK_DEVICE void grid_barrier(unsigned* count, unsigned& epoch) {
   __syncthreads();
   epoch++;
   if (threadIdx.x == 0) {
+    const unsigned target = epoch * gridDim.x;
     __threadfence();
-    unsigned arrived = atomicAdd(count, 1u);
-    if (arrived == gridDim.x - 1) {
-      atomicExch(count, 0u);
-      __threadfence();
-      st_release(flag, epoch);
-    } else {
-      while (ld_acquire(flag) < epoch) { }
-    }
+    atomicAdd(count, 1u);
+    while ((int)(ld_acquire(count) - target) < 0) { }
   }
   __syncthreads();
 }

@@ -92,12 +92,12 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
     const float* x = s_act + (kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
     float acc0 = 0.f, acc1 = 0.f;
     if (MAT == MAT_GU) {
-#pragma unroll 4
+#pragma unroll 2
       for (int c = 0; c < kChunks / 2; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
-#pragma unroll 4
+#pragma unroll 2
       for (int c = 0; c < kChunks / 2; c++) { acc1 += dot8(st.take(), x + c * kChunk); st.release(p); }
     } else {
-#pragma unroll 4
+#pragma unroll 2
       for (int c = 0; c < kChunks; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
     }
     acc0 = warp_sum(acc0);

@@ -102,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       });
       if (st.lane == 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
     }
-    grid_barrier(p.bar_count, p.bar_flag, epoch);
+    grid_barrier(p.bar_count, epoch);
     MK_MARK(0);
     if (prof_on) prof[6]++;
 
@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         int t = sample_topkp(p, logits, step, M, s_red);
         if (threadIdx.x == 0) *p.shared_token = t;
       }
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       tok = __ldcg(p.shared_token);
     }
     const bool last = step + 1 >= p.max_steps || p.start_pos + step + 1 >= MK_MAX_CTX;
@@ -151,16 +151,16 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         residual_norm<MK_S_DN>(xs, nullptr, p.dn_part, nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
       xi ^= 1;
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       MK_MARK(1);
 
       attention_phase(p, layer, pos, s_act);
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       MK_MARK(2);
 
-      stage_vector<kQDim, MK_QP>(p.attn_out, s_act);
+      combine_attention(p, pos, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       MK_MARK(3);
 
       residual_norm<MK_S_O>(p.xbuf + xi * MK_HP, nullptr, p.o_part, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
@@ -169,12 +169,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
         p.h_buf[u] = g / (1.f + __expf(-g)) * up;
       });
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       MK_MARK(4);
 
       stage_vector<MK_I, MK_IP>(p.h_buf, s_act);
       run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, float acc, float) { p.dn_part[u] = acc; });
-      grid_barrier(p.bar_count, p.bar_flag, epoch);
+      grid_barrier(p.bar_count, epoch);
       MK_MARK(5);
     }
   }

@@ -198,7 +198,8 @@ class KernelLayout:
 
     @property
     def act_floats(self) -> int:
-        return max(self.hp, self.qp, self.ip, self.attn_floats)
+        combine = self.qp + 2 * self.heads * MAX_ATTN_SPLITS  # O-input staging + split weights
+        return max(self.hp, self.qp, self.ip, self.attn_floats, combine)
 
     @property
     def smem_fixed(self) -> int:

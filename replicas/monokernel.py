@@ -155,17 +155,21 @@ class MonokernelEngine:
             ctrl, toks = gpu.host_ctrl.array, gpu.host_tokens.array
             sent = 0
             while True:
-                if cancel.is_set():
+                if cancel.is_set():  # stop the kernel; tokens it made meanwhile are dropped
                     ctrl[L.CTRL_CANCEL] = 1
+                    gpu.synchronize()
+                    launched = False
+                    return FinishReason.CANCELLED, None
                 done = ctrl[L.CTRL_DONE] != 0
                 count = int(ctrl[L.CTRL_COUNT])
-                while sent < count:
+                while sent < count and not cancel.is_set():
                     tok = int(toks[sent])
                     sent += 1
                     yield tok
-                if done:
+                if done and sent == count:
                     break
-                time.sleep(POLL_SECONDS)
+                if sent == count:
+                    time.sleep(POLL_SECONDS)
             gpu.synchronize()
             launched = False
             reason = _STATUS.get(int(ctrl[L.CTRL_STATUS]), FinishReason.LENGTH)
