@@ -161,6 +161,7 @@ class _Stream:
         self.queue_s = 0.0
         self.t_first = self.t_last = None
         self.outcome = "error"
+        self.admitted = False  # once a replica was bound, failover/retry never meets admission again
 
     def _shape(self) -> RequestShape:
         return RequestShape(len(self.p.prompt_ids) + len(self.sent), self.p.max_tokens - len(self.sent),
@@ -174,7 +175,8 @@ class _Stream:
             self.r.metrics.queue_wait.observe(0.0)
             return handle
         t = self.r.clock()
-        acquire = asyncio.ensure_future(dispatcher.acquire(self._shape(), self.deadline, exclude))
+        acquire = asyncio.ensure_future(dispatcher.acquire(self._shape(), self.deadline, exclude,
+                                                           admitted=self.admitted))
         aborted = asyncio.ensure_future(self.running.aborted.wait())
         try:
             await asyncio.wait((acquire, aborted), return_when=asyncio.FIRST_COMPLETED)
@@ -220,6 +222,7 @@ class _Stream:
             handle = await self._acquire(frozenset(exclude))
             if handle is None:
                 break  # aborted while queued
+            self.admitted = True
             shape = self._shape()
             stream = self._stream_from(handle, left)
             try:

@@ -58,16 +58,23 @@ class Dispatcher:
         return self._bind(shape, exclude)
 
     async def acquire(self, shape: RequestShape, deadline: float | None = None,
-                      exclude: frozenset[str] = frozenset()) -> ReplicaHandle:
-        """A replica slot for `shape` (the caller must `release()` it), waiting if need be."""
+                      exclude: frozenset[str] = frozenset(), admitted: bool = False) -> ReplicaHandle:
+        """A replica slot for `shape` (the caller must `release()` it), waiting if need be.
+
+        `admitted`: the request was accepted before (it is failing over or retrying): it is never
+        refused for a full queue or a tight deadline — nothing accepted is dropped."""
         handle = self.try_acquire(shape, exclude)
         if handle is not None:
             return handle
         if not self.pool.could_serve(exclude):
             raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA)
-        self._admit(shape, deadline)
+        if not admitted:
+            self._admit(shape, deadline)
         waiter = _Waiter(shape, exclude)
-        self._queue.append(waiter)
+        if admitted:
+            self._queue.appendleft(waiter)  # it was accepted before everyone waiting: goes first
+        else:
+            self._queue.append(waiter)
         self._queued_changed()
         self.pump()
         timeout = None if deadline is None else max(0.0, deadline - self.clock())
