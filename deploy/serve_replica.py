@@ -22,17 +22,22 @@ TPOT_EWMA_WEIGHT = 0.2
 
 
 def _pump(gen, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
-    """Run one generation on its own thread, posting ("token", id) ... then ("end"|"error", x)."""
+    """Run one generation on its own thread, posting ("token", id) ... then ("end"|"error", x).
+
+    The generation is closed (its engine slot freed) before the end is posted, so the next
+    request Serve sends once this one finishes finds the slot free.
+    """
     def post(kind, value=None):
         loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
     try:
         for token in gen:
             post("token", token)
-        post("end")
     except Exception as e:  # re-raised on the event loop, in the caller's stream
-        post("error", e)
-    finally:
         gen.close()
+        post("error", e)
+    else:
+        gen.close()
+        post("end")
 
 
 @serve.deployment
@@ -58,7 +63,8 @@ class EngineReplica:
         gen = self.engine.generate(prompt_ids, params)
         slot = [params.max_tokens, 0]
         self._running[id(slot)] = slot
-        threading.Thread(target=_pump, args=(gen, loop, queue), daemon=True).start()
+        pump = threading.Thread(target=_pump, args=(gen, loop, queue), daemon=True)
+        pump.start()
         last = None
         try:
             while True:
@@ -77,8 +83,10 @@ class EngineReplica:
                            "replica_id": self.replica_id}
                     return
         finally:
-            gen.cancel()
+            gen.cancel()  # the engine stops within one step
             self._running.pop(id(slot), None)
+            if pump.is_alive():  # cancelled mid-stream: free the slot before Serve sends the next request
+                await asyncio.to_thread(pump.join, 5.0)
 
     def _observe_tpot(self, seconds: float) -> None:
         old = self._tpot_s

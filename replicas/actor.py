@@ -69,8 +69,14 @@ def cuda_available() -> bool:
 
 
 def resolve_engine_kind(kind: str, num_gpus: int) -> str:
+    """`auto` = the monokernel where it can run (GPUs granted, CUDA + CuPy, module present)."""
     if kind == "auto":
-        return "monokernel" if num_gpus > 0 and cuda_available() else "reference"
+        usable = (num_gpus > 0 and importlib.util.find_spec("replicas.monokernel") is not None
+                  and cuda_available())
+        if num_gpus > 0 and not usable:
+            log.warning("engine auto: %d GPUs granted but the monokernel cannot run here "
+                        "(no CUDA device, CuPy or replicas.monokernel); using the reference engine", num_gpus)
+        return "monokernel" if usable else "reference"
     return kind
 
 

@@ -93,6 +93,42 @@ def test_concurrent_requests_go_to_idle_replicas(serve_app):
     assert len({f.replica_id for _, f in results}) == 2  # one each: idle replicas first
 
 
+def test_replica_killed_mid_stream_is_resumed_on_another_without_losing_tokens(serve_app, tiny_checkpoint):
+    from replicas.engine import SamplingParams
+    from replicas.reference import ReferenceEngine
+
+    n = 1500
+    prompts = [[7, 8, 9], [9, 8, 7]]
+    engine = ReferenceEngine.from_pretrained(tiny_checkpoint)
+    expected = [list(engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))) for p in prompts]
+    both_streaming = threading.Barrier(3)
+    results = [None, None]
+
+    def one(i):
+        req = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=prompts[i]),
+                                            sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True))
+        ids = []
+        for msg in serve_app.Generate(req, metadata=METADATA, timeout=120):
+            if msg.HasField("chunk"):
+                ids += msg.chunk.token_ids
+                if len(ids) == 20:
+                    both_streaming.wait(timeout=30)
+            else:
+                results[i] = (ids, msg.final)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    both_streaming.wait(timeout=60)  # each replica is mid-stream on one request
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in a["name"]]
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
+    for t in threads:
+        t.join()
+    for (ids, final), want in zip(results, expected):
+        assert ids == want  # nothing lost or repeated across the failover
+        assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and final.usage.completion_tokens == n
+
+
 def test_bad_request_is_invalid_argument_naming_the_problem(serve_app):
     with pytest.raises(grpc.RpcError) as err:
         stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[1, 999999]))
