@@ -19,6 +19,18 @@ def request(ids=(5, 6, 7), max_tokens=10, **kw):
                                          sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
 
 
+def wait_for(condition, timeout=5.0):
+    """Poll a test condition (the router itself never polls)."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.002)
+
+
+def bound(server: RouterServer) -> int:
+    return sum(h.router_running for h in list(server.router.pool.replicas.values()))
+
+
 def final_of(stub, req, timeout=10.0):
     return list(stub.Generate(req, timeout=timeout))[-1].final
 
@@ -82,12 +94,11 @@ def test_abort_while_queued_ends_with_cancelled(setup):
     router, replicas, stub = setup(1, rate=100.0)
     busy = threading.Thread(target=final_of, args=(stub, request(max_tokens=40)))
     busy.start()
-    time.sleep(0.05)
+    wait_for(lambda: bound(router) == 1)
     result = {}
     waiting = threading.Thread(target=lambda: result.update(final=final_of(stub, request(request_id="q1"))))
     waiting.start()
-    time.sleep(0.05)
-    assert router.queue_depth() == 1
+    wait_for(lambda: router.queue_depth() == 1)
     assert stub.Abort(inference_pb2.AbortRequest(request_id="q1")).found
     waiting.join(2)
     assert result["final"].finish_reason == common_pb2.FINISH_REASON_CANCELLED
@@ -130,17 +141,11 @@ def test_a_client_that_gives_up_while_queued_leaves_the_queue(setup):
     router, replicas, stub = setup(1, rate=100.0)
     busy = threading.Thread(target=final_of, args=(stub, request(max_tokens=30)))
     busy.start()
-    time.sleep(0.05)
+    wait_for(lambda: bound(router) == 1)
     waiting = stub.Generate(request(), timeout=10)
-    end = time.monotonic() + 2
-    while router.queue_depth() == 0 and time.monotonic() < end:
-        time.sleep(0.005)
-    assert router.queue_depth() == 1
+    wait_for(lambda: router.queue_depth() == 1)
     waiting.cancel()
-    end = time.monotonic() + 2
-    while router.queue_depth() and time.monotonic() < end:
-        time.sleep(0.005)
-    assert router.queue_depth() == 0
+    wait_for(lambda: router.queue_depth() == 0)
     busy.join()
     assert final_of(stub, request(max_tokens=2)).usage.completion_tokens == 2  # slot not leaked
 
