@@ -251,3 +251,20 @@ def test_a_replica_whose_engine_keeps_failing_is_ejected():
         router.stop()
         for r in replicas:
             r.stop(grace=0)
+
+
+def test_router_serves_health_and_reflection(setup):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    router, _, _ = setup(1)
+    with grpc.insecure_channel(router.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "monoserve.v1.Inference", "monoserve.v1.RouterAdmin"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=5)
+        names = {s.name for reply in replies for s in reply.list_services_response.service}
+        assert {"monoserve.v1.Inference", "monoserve.v1.RouterAdmin", "grpc.health.v1.Health"} <= names
