@@ -77,7 +77,7 @@ def cmd_up(args) -> int:
     shown = [None]
 
     def progress(status):
-        ready = sum(r["phase"] == "ready" and bool(r["router_state"]) for r in status["replicas"])
+        ready = len(launcher.serving(status))
         starting = sum(r["phase"] == "starting" for r in status["replicas"])
         if (ready, starting) != shown[0]:  # redraw on change only (quiet in logs)
             shown[0] = (ready, starting)

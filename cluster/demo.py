@@ -152,7 +152,9 @@ def _progress_printer(total: int):
     last = [None]
 
     def show(status):
-        ready = sum(r["phase"] == "ready" and bool(r["router_state"]) for r in status["replicas"])
+        from cluster.launcher import serving
+
+        ready = len(serving(status))
         line = f"replicas ready {ready}/{total}"
         if line != last[0]:
             print(line, flush=True)

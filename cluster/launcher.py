@@ -88,19 +88,17 @@ def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
         try:
             status = ray.get(supervisor.status.remote(), timeout=max(1.0, deadline - time.monotonic()))
         except ray.exceptions.RayActorError as e:
+            down(config.ray.namespace)
             raise ClusterError(f"the supervisor failed to start: {_last_line(e)}") from None
         except ray.exceptions.GetTimeoutError:
             status = None
         if status is not None:
             if progress:
                 progress(status)
-            failed = [r for r in status["replicas"] if r["error"] and r["phase"] == "dead"]
-            failed += [r for r in _removed_with_errors(status)]
-            if failed:
+            if status["start_errors"]:
                 down(config.ray.namespace)
-                raise ClusterError(f"replica failed to start: {failed[0]['error']}")
-            ready = [r for r in status["replicas"] if r["phase"] == "ready" and r["router_state"]]
-            if len(ready) >= config.replicas.min:
+                raise ClusterError(f"replica failed to start: {status['start_errors'][0]}")
+            if len(serving(status)) >= config.replicas.min:
                 return supervisor
         if time.monotonic() > deadline:
             down(config.ray.namespace)
@@ -109,9 +107,9 @@ def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
         time.sleep(0.2)
 
 
-def _removed_with_errors(status: dict) -> list[dict]:
-    """Start failures the supervisor already cleaned up, recovered from its event log."""
-    return [{"error": e.split("failed to start: ", 1)[1]} for e in status["events"] if "failed to start: " in e]
+def serving(status: dict) -> list[dict]:
+    """Replicas that are ready and that the router sends requests to."""
+    return [r for r in status["replicas"] if r["phase"] == "ready" and r["router_state"] == "ready"]
 
 
 def _check_resources(config: ClusterConfig) -> None:

@@ -63,6 +63,7 @@ class Supervisor:
         self.clock = clock
         self.replicas: dict[str, ManagedReplica] = {}
         self.events: deque[str] = deque(maxlen=200)
+        self.start_errors: deque[str] = deque(maxlen=20)  # "name: error" of failed starts, newest last
         self.queue_depth = 0
         self.router_pool: dict[str, admin_pb2.ReplicaStatus] = {}
         self._lock = threading.RLock()
@@ -136,6 +137,7 @@ class Supervisor:
                     self._event(f"{r.name} ready at {r.address} ({r.info['engine']}, GPUs {r.info['gpu_ids']})")
                 except Exception as e:
                     r.phase, r.error = Phase.DEAD, _short(e)
+                    self.start_errors.append(f"{r.name}: {r.error}")
                     self._event(f"{r.name} failed to start: {r.error}")
             elif r.phase in (Phase.READY, Phase.DRAINING):
                 if r.health_ref is not None and _done(r.health_ref):
@@ -252,7 +254,8 @@ class Supervisor:
                 })
             return {"router": dict(self.router_addresses, queue_depth=self.queue_depth),
                     "target": self.memory.target, "min": self.policy.min_replicas,
-                    "max": self.policy.max_replicas, "replicas": replicas, "events": list(self.events)}
+                    "max": self.policy.max_replicas, "replicas": replicas, "events": list(self.events),
+                    "start_errors": list(self.start_errors)}
 
 
 class SupervisorActor:

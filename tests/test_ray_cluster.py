@@ -213,6 +213,23 @@ def test_crashed_router_is_restarted_and_replicas_re_registered(bring_up, tiny_c
     assert len(tokens) == 5 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_up_fails_fast_with_the_replica_error_and_cleans_up(ray_cluster, tmp_path, tiny_checkpoint):
+    # the router (tokenizer.json) or a replica (config.json) is the first to notice
+    with pytest.raises(launcher.ClusterError, match=r"failed to start: .*no-such-checkpoint/\w+\.json"):
+        launcher.up(make_config(tmp_path / "no-such-checkpoint", replicas=(1, 1)), timeout_s=60)
+    with pytest.raises(launcher.ClusterError, match="not up"):
+        launcher.status()
+    # tokenizer present (router starts), config.json missing: the replica's own error is shown
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((tiny_checkpoint / name).read_bytes())
+    with pytest.raises(launcher.ClusterError, match=r"replica failed to start: monoserve-replica-\w+: .*broken: no config\.json"):
+        launcher.up(make_config(broken, replicas=(1, 1)), timeout_s=60)
+    with pytest.raises(launcher.ClusterError, match="not up"):
+        launcher.status()
+
+
 def test_cli_up_status_down(ray_cluster, tiny_checkpoint, capsys):
     from cluster.cli import main
 
