@@ -73,15 +73,19 @@ def time_generation(engine, prompt, n_new: int):
     return end - first, count, first - t0
 
 
-def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int]) -> dict:
+def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int], options=None,
+                     tensors=None) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
 
     config = preset_config(preset)
     t = time.perf_counter()
-    engine = MonokernelEngine(config, random_tensors(cp, config), max_context=4096)
+    engine = MonokernelEngine(config, tensors or random_tensors(cp, config), max_context=4096,
+                              layout_options=options)
     cp.get_default_memory_pool().free_all_blocks()
-    res = {"preset": preset, "setup_s": round(time.perf_counter() - t, 1),
+    res = {"preset": preset, "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
+           "evict_first": engine.gpu.layout.evict_first,
+           "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
     prompt = list(range(100, 132))
@@ -152,6 +156,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--ttft", type=int, nargs="*", default=[32, 512, 2000])
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT e.g. 0:0 32:1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import cupy as cp
@@ -160,6 +166,18 @@ def main() -> None:
     bw = copy_bandwidth(cp)
     print(f"GPU {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"gpu": gpu, "copy_TBps": round(bw / 1e12, 3), "monokernel": [], "peer": []}
+    if args.variants:
+        from replicas.checkpoint import preset_config
+
+        tensors = random_tensors(cp, preset_config(args.presets[0]))
+        for spec in args.variants:
+            mb, ev = spec.split(":")
+            opts = {"l2_budget": int(mb) << 20, "evict_first": bool(int(ev))}
+            v = bench_monokernel(cp, args.presets[0], 3, args.new_tokens, [], options=opts, tensors=tensors)
+            keys = ("preset", "l2_budget_MB", "evict_first", "tok_s", "phase_us")
+            print("variant", json.dumps({k: v[k] for k in keys}), flush=True)
+            results.setdefault("variants", []).append(v)
+        del tensors
     for preset in args.presets:
         r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [])
         r["roofline_tok_s"] = round(bw / r["bytes_per_token"], 1)

@@ -32,6 +32,7 @@ struct WeightStream {
   int mat, layer;
   const uint16_t* ptr;
   long long left;  // chunks left in the current run; 0 with mat < 0 => this warp streams nothing
+  unsigned long long policy;  // L2 eviction policy of streamed weights (MK_EVICT_FIRST)
 
   MK_DEVICE void next_run(const MkParams& p) {
     for (int tries = 0; tries <= 4 * MK_L + 1; tries++) {
@@ -48,7 +49,8 @@ struct WeightStream {
 
   MK_DEVICE void issue(const MkParams& p) {
     if (left > 0) {
-      cp_async16(ring + slot * 32 + lane, ptr + lane * 8);
+      if (MK_EVICT_FIRST) cp_async16_hint(ring + slot * 32 + lane, ptr + lane * 8, policy);
+      else cp_async16(ring + slot * 32 + lane, ptr + lane * 8);
       ptr += kChunk;
       if (--left == 0) next_run(p);
     }
@@ -57,6 +59,7 @@ struct WeightStream {
 
   MK_DEVICE void init(const MkParams& p, uint4* warp_ring) {
     ring = warp_ring; lane = threadIdx.x & 31;
+    policy = MK_EVICT_FIRST ? l2_evict_first_policy() : 0ull;
     gw = blockIdx.x * kWarps + (threadIdx.x >> 5); nw = gridDim.x * kWarps;
     mat = MAT_DN; layer = MK_L - 1;  // so the first run is the LM head
     next_run(p);
@@ -103,5 +106,23 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
     acc0 = warp_sum(acc0);
     if (MAT == MAT_GU) acc1 = warp_sum(acc1);
     if (st.lane == 0) epi(u, acc0, acc1);
+  }
+}
+
+// Ask L2 to fetch the first `bytes` of this warp's share of matrix MAT (layer `layer`), without
+// waiting: used while the latency-bound attention chain leaves HBM idle.
+template <int MAT>
+MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes) {
+  if (bytes <= 0) return;
+  const uint16_t* base; long long units, u0, u1; int len;
+  mat_info(p, MAT, layer, base, units, len);
+  warp_range(units, st.gw, st.nw, u0, u1);
+  const long long n = min((long long)bytes, (u1 - u0) * len * 2);
+  const long long piece = ((n + 31) / 32 + 15) & ~15LL;
+  const long long off = st.lane * piece;
+  if (off < n) {
+    const unsigned size = (unsigned)min(piece, n - off);
+    const char* src = reinterpret_cast<const char*>(base + u0 * len) + off;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(size) : "memory");
   }
 }

@@ -150,6 +150,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       else
         residual_norm<MK_S_DN>(xs, nullptr, p.dn_part, nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
       xi ^= 1;
+      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
+      l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
       grid_barrier(p.bar_count, epoch);
       MK_MARK(1);

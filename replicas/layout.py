@@ -33,6 +33,10 @@ SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on Hopper
 MAX_RING = 32  # weight-ring slots per warp (16-byte cp.async per lane each)
 ATTN_TILE = 64  # KV positions per attention tile (scores staged in shared memory)
 MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
+# The QKV -> attention -> O-proj chain is latency-bound and leaves HBM mostly idle; during it every
+# warp asks L2 to prefetch the start of its gate/up (then down) share, up to this many bytes in all
+# (H200 L2: 60 MB). The gate/up phase then reads that part from L2.
+L2_PREFETCH_BYTES = 32 << 20
 MAX_STOP_IDS = 16
 RED_FLOATS = 96  # block-reduction scratch in shared memory
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -122,11 +126,14 @@ class KernelLayout:
     num_sms: int
     threads: int = THREADS
     splits: dict = field(default_factory=dict)  # phase -> k-split factor
+    l2_budget: int = 0  # bytes of MLP weights warmed into L2 per layer during the attention chain
+    evict_first: bool = True  # stream weights with an L2 evict-first hint
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: ModelConfig, max_ctx: int, num_sms: int = 132,
-                    threads: int = THREADS) -> "KernelLayout":
+                    threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
+                    evict_first: bool = True) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -139,7 +146,8 @@ class KernelLayout:
                    kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
                    vocab=config.vocab_size, eps=float(config.rms_norm_eps),
                    qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=config.qk_norm,
-                   max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads)
+                   max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads, l2_budget=int(l2_budget),
+                   evict_first=bool(evict_first))
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
@@ -230,6 +238,15 @@ class KernelLayout:
             "w_lm": (self.vocab, self.hp),
         }
 
+    def l2_prefetch_per_warp(self) -> tuple[int, int]:
+        """(gate/up, down) bytes each warp prefetches into L2 per layer (multiples of 512)."""
+        per_warp = self.l2_budget // self.total_warps
+        gu_share = math.ceil(self.inter / self.total_warps) * 2 * self.hp * 2
+        dn_share = math.ceil(self.hidden * self.splits["dn"] / self.total_warps) * (self.ip // self.splits["dn"]) * 2
+        gu = min(per_warp, gu_share) // WARP_BYTES * WARP_BYTES
+        dn = min(per_warp - gu, dn_share) // WARP_BYTES * WARP_BYTES
+        return gu, dn
+
     def stream_bytes_per_token(self) -> int:
         return 2 * sum(math.prod(s) for s in self.packed_shapes().values())
 
@@ -244,6 +261,7 @@ class KernelLayout:
             "MK_MAX_CTX": self.max_ctx, "MK_THREADS": self.threads, "MK_RING": self.ring_slots,
             "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
             "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
+            "MK_EVICT_FIRST": int(self.evict_first), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 

@@ -49,7 +49,8 @@ class MonokernelEngine:
     max_batch = 1
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0,),
-                 max_context: int | None = None, progress: bool | None = None):
+                 max_context: int | None = None, progress: bool | None = None,
+                 layout_options: dict | None = None):
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: this build decodes on exactly one GPU; tensor "
@@ -57,7 +58,8 @@ class MonokernelEngine:
         if config.dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"unsupported checkpoint dtype {config.dtype}")
         self.config = config
-        self.gpu = GpuModel(config, tensors, device=devices[0], max_context=max_context, progress=progress)
+        self.gpu = GpuModel(config, tensors, device=devices[0], max_context=max_context, progress=progress,
+                            layout_options=layout_options)
         self.max_context = self.gpu.max_context
         self.devices = devices
         from replicas.monokernel_prefill import Prefill

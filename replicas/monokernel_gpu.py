@@ -63,13 +63,14 @@ class MappedInts:
 
 class GpuModel:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: int = 0,
-                 max_context: int | None = None, progress: bool | None = None):
+                 max_context: int | None = None, progress: bool | None = None,
+                 layout_options: dict | None = None):
         cp = import_cupy()
         self.cp, self.config, self.device = cp, config, device
         self.max_context = int(max_context or min(config.max_context, 8192))
         with cp.cuda.Device(device):
             sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
-            self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms)
+            self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms, **(layout_options or {}))
             try:
                 self._allocate(tensors, progress)
             except cp.cuda.memory.OutOfMemoryError as e:
