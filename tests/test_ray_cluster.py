@@ -139,7 +139,8 @@ def test_killed_replica_is_replaced_and_in_flight_requests_fail_over(bring_up, t
     for tokens, final in results:  # nothing lost, nothing repeated across the failover
         assert len(tokens) == n and tokens[:5] == expected
         assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert {final.replica_id for _, final in results} != {victim.removeprefix("monoserve-")}
+    # each replica was serving one of the two: the victim's request finished elsewhere
+    assert victim.removeprefix("monoserve-") not in {final.replica_id for _, final in results}
 
     replaced = wait_for(lambda: [r for r in ready_replicas(launcher.status()) if r["name"] != victim]
                         if len(ready_replicas(launcher.status())) == 2 and
@@ -170,8 +171,8 @@ def test_scales_up_under_queued_load_and_down_when_idle_without_cutting_requests
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        # 6 requests of 0.8 s on one single-slot replica: the queue stays busy -> a second replica
-        threads, results, errors = run_concurrently(lambda i: generate(stub, [3, 4, i], 80), 6)
+        # 8 requests of 0.8 s on one single-slot replica: the queue stays busy -> a second replica
+        threads, results, errors = run_concurrently(lambda i: generate(stub, [3, 4, i], 80), 8)
         wait_for(lambda: len(ready_replicas(launcher.status())) == 2, timeout=30, what="scale-up to 2")
         for t in threads:
             t.join()
