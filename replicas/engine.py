@@ -11,6 +11,7 @@ matched is kept in `Generation.stop_token_id`.
 from __future__ import annotations
 
 import enum
+import inspect
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Protocol, runtime_checkable
@@ -111,6 +112,10 @@ class Generation(Iterator[int]):
         self.stop_token_id: int | None = None
         self.num_tokens = 0
 
+    # Leading prompt tokens whose KV came from the session's previous turn (not prefilled again);
+    # known once the first token is out. Engines without session reuse leave it 0.
+    reused_tokens: int = 0
+
     def cancel(self) -> None:
         """Ask the engine to stop; safe from any thread, idempotent."""
         self._cancel.set()
@@ -151,9 +156,24 @@ class Engine(Protocol):
     max_context: int  # most tokens (prompt + generated) one sequence may hold
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Start generating; validation errors raise InvalidRequest before any token."""
+        """Start generating; validation errors raise InvalidRequest before any token.
+
+        Optional extension (agent sessions): an engine may also accept `session_id: str | None = None`
+        as a keyword. It then keeps the session's KV after the generation (a bounded LRU, see
+        replicas.session_cache) and, when the next prompt of that session shares a prefix with
+        what it holds, prefills only the rest — with outputs equal to a fresh full-prompt request.
+        It reports `Generation.reused_tokens` and `session_stats() -> SessionStats`. Callers check
+        `accepts_session_id(engine)` first."""
         ...
 
     def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), vocab] float32 (the correctness hook)."""
         ...
+
+
+def accepts_session_id(engine: Engine) -> bool:
+    """True if `engine.generate` takes the optional `session_id` keyword (session KV reuse)."""
+    try:
+        return "session_id" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Latency buckets in seconds: sub-millisecond decode steps up to long prefills.
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -15,7 +19,7 @@ OUTCOMES = ("stop", "length", "cancelled", "aborted", "deadline", "invalid", "re
 class ReplicaMetrics:
     """Counters, histograms and gauges the replica server updates; `serve(port)` exposes them."""
 
-    def __init__(self, replica_id: str, capacity: int):
+    def __init__(self, replica_id: str, capacity: int, session_stats: Callable[[], object] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"replica": replica_id}
         r = self.registry
@@ -38,6 +42,8 @@ class ReplicaMetrics:
         self.capacity.set(capacity)
         for outcome in OUTCOMES:  # export zeros so rates work from the start
             self.requests(outcome)
+        if session_stats is not None:
+            r.register(_SessionCollector(session_stats))
         self._http = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
@@ -50,3 +56,22 @@ class ReplicaMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _SessionCollector(Collector):
+    """The engine's session KV reuse counters (replicas.session_cache.SessionStats), read at scrape."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats()
+        for name, doc, value in (
+            ("hits", "Requests with a session_id that reused KV kept from an earlier turn.", s.hits),
+            ("misses", "Requests with a session_id that prefilled the whole prompt.", s.misses),
+            ("evictions", "Stored sessions dropped to stay within the session cache bounds.", s.evictions),
+            ("reused_tokens", "Prompt tokens not prefilled thanks to session KV reuse.", s.reused_tokens),
+        ):
+            yield CounterMetricFamily(f"monoserve_replica_session_{name}", doc, value=value)
+        yield GaugeMetricFamily("monoserve_replica_sessions", "Sessions whose KV is resident now.", value=s.sessions)
+        yield GaugeMetricFamily("monoserve_replica_session_bytes", "Bytes of resident session KV.", value=s.bytes)

@@ -30,6 +30,7 @@ from replicas.engine import (  # EngineBusy re-exported: callers may import it f
 )
 from replicas.model import ModelConfig
 from replicas.sampling import make_rng, sample
+from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionStats
 from replicas.weights import load_weights
 
 PREFILL_CHUNK = 512  # prompt tokens per batched pass; bounds the [H, n, T] score buffer
@@ -93,9 +94,12 @@ class ReferenceEngine:
 
     kind = "reference"
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], max_batch: int = 1):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], max_batch: int = 1, *,
+                 session_cache_bytes: int = DEFAULT_MAX_BYTES, max_sessions: int = DEFAULT_MAX_SESSIONS):
         """`weights` (fp32 or castable, HF names) is consumed: entries are popped as they are
-        fused, so a bf16 checkpoint's fp32 copies are freed layer by layer (peak ~1x, not 2x)."""
+        fused, so a bf16 checkpoint's fp32 copies are freed layer by layer (peak ~1x, not 2x).
+        Agent sessions' KV is kept between turns within `session_cache_bytes` / `max_sessions`
+        (replicas.session_cache; max_sessions=0 turns reuse off)."""
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.config = config
@@ -126,12 +130,14 @@ class ReferenceEngine:
         self._inv_freq = config.rope_inv_freq()  # [D/2] float64, scaling already applied
         self._slots_lock = threading.Lock()
         self._active = 0  # generations currently holding a slot
+        self.sessions = SessionCache(session_cache_bytes, max_sessions)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, max_batch: int = 1) -> ReferenceEngine:
-        """Load a Hugging Face checkpoint directory (bf16/fp16/fp32 weights, upcast to fp32)."""
+    def from_pretrained(cls, path: str | Path, max_batch: int = 1, **session_limits) -> ReferenceEngine:
+        """Load a Hugging Face checkpoint directory (bf16/fp16/fp32 weights, upcast to fp32).
+        `session_limits`: session_cache_bytes, max_sessions (see __init__)."""
         config = ModelConfig.from_pretrained(path)
-        return cls(config, load_weights(path, config, dtype="float32"), max_batch=max_batch)
+        return cls(config, load_weights(path, config, dtype="float32"), max_batch=max_batch, **session_limits)
 
     # ---- the transformer --------------------------------------------------------------------
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -227,13 +233,21 @@ class ReferenceEngine:
         cache = KVCache(self.config, len(ids))
         return self._prefill(ids, cache, all_logits=True).astype(np.float32, copy=False)
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
-        """Start a generation; raises InvalidRequest (bad input) or EngineBusy (no free slot)."""
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 session_id: str | None = None) -> Generation:
+        """Start a generation; raises InvalidRequest (bad input) or EngineBusy (no free slot).
+        With `session_id`, the KV that session's previous turn left is reused for the common
+        prefix (only the rest is prefilled) and this turn's KV is kept for the next one."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         ids = validate_prompt(prompt_ids, params, self.config, self.max_context)
         slot = self._take_slot()
-        return _SlotGeneration(lambda cancel: self._steps(ids, params, cancel, slot), slot)
+        info = _GenerationInfo()
+        return _SlotGeneration(lambda cancel: self._steps(ids, params, cancel, slot, session_id, info), slot, info)
+
+    def session_stats(self) -> SessionStats:
+        """Session KV reuse counters and what is resident now."""
+        return self.sessions.stats()
 
     def _take_slot(self) -> _Slot:
         with self._slots_lock:
@@ -249,17 +263,25 @@ class ReferenceEngine:
         with self._slots_lock:
             self._active -= 1
 
-    def _steps(self, ids: list[int], params: SamplingParams, cancel: threading.Event,
-               slot: _Slot) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
+    def _steps(self, ids: list[int], params: SamplingParams, cancel: threading.Event, slot: _Slot,
+               session_id: str | None,
+               info: _GenerationInfo) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
         """The decode loop: prefill, then sample / yield / feed back one token per step."""
+        lease = cache = None
+        fed = list(ids)  # the tokens whose KV the cache holds (once computed): prompt + fed-back output
         try:
             stops = stop_ids(self.config, params)
             rng = make_rng(params.seed)
             budget = min(params.max_tokens, self.max_context - len(ids))  # tokens we may emit
             # The last emitted token is never fed back, so the cache needs len + budget - 1 rows.
             needed = len(ids) + budget - 1
-            cache = KVCache(self.config, min(needed, len(ids) + KV_FIRST_ROWS), limit=needed)
-            logits = self._prefill(ids, cache, all_logits=False, cancel=cancel)  # [1, V]
+            lease = self.sessions.acquire(session_id, ids) if session_id else None
+            if lease is not None and lease.kv is not None:  # continue the session's KV from the shared prefix
+                cache, info.reused_tokens = lease.kv, lease.reused
+                cache.length, cache.limit = lease.reused, max(cache.limit, needed)
+            else:
+                cache = KVCache(self.config, min(needed, len(ids) + KV_FIRST_ROWS), limit=needed)
+            logits = self._prefill(ids[cache.length:], cache, all_logits=False, cancel=cancel)  # [1, V]
             if logits is None:
                 return FinishReason.CANCELLED, None
             logits = logits[0]  # [V]
@@ -274,9 +296,16 @@ class ReferenceEngine:
                     break
                 if cancel.is_set():
                     return FinishReason.CANCELLED, None
+                fed.append(token)
                 logits = self._forward([token], cache, all_logits=False)[0]
             return FinishReason.LENGTH, None
+        except Exception:
+            if lease is not None:
+                self.sessions.discard(lease)
+            raise
         finally:
+            if lease is not None and cache is not None:  # also on cancel/close: the KV computed is valid
+                self.sessions.release(lease, cache, fed[:cache.length], cache.k.nbytes + cache.v.nbytes)
             slot.release()
 
 
@@ -295,13 +324,25 @@ class _Slot:
             self._engine._free_slot()
 
 
+@dataclass
+class _GenerationInfo:
+    """What the decode loop tells its Generation (shared object: no reference cycle)."""
+
+    reused_tokens: int = 0
+
+
 class _SlotGeneration(Generation):
     """A Generation that frees its slot even if it is closed or dropped before it started."""
 
-    def __init__(self, steps, slot: _Slot):
+    def __init__(self, steps, slot: _Slot, info: _GenerationInfo):
         super().__init__(steps)
+        self.info = info
         self._slot = slot
         weakref.finalize(self, slot.release)
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.info.reused_tokens
 
     def close(self) -> None:
         super().close()

@@ -164,8 +164,9 @@ class ReplicaServer:
                           "this machine): pick another port or host") from cause
         self.port = port
         self.replica_id = self.replica_id or self.address
-        self.metrics = ReplicaMetrics(self.replica_id, self.engine.max_batch)
-        load = LoadTracker(self.replica_id, self.engine.max_batch)
+        session_stats = getattr(self.engine, "session_stats", None)  # engines that keep sessions' KV
+        self.metrics = ReplicaMetrics(self.replica_id, self.engine.max_batch, session_stats)
+        load = LoadTracker(self.replica_id, self.engine.max_batch, session_stats=session_stats)
         info = engine_info(self.engine, self.replica_id, *self._model)
         self.servicer = ReplicaServicer(self.engine, load, self.metrics, info, on_health_change=self._set_ready)
         add_servicer(self.servicer, server, replica_pb2.DESCRIPTOR, "Replica")  # malformed bytes -> INVALID_ARGUMENT

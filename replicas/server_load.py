@@ -9,6 +9,7 @@ updates counters and the TPOT average, so watchers are not flooded at thousands 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from monoserve.v1 import common_pb2
@@ -41,6 +42,8 @@ class LoadTracker:
     prefill_s_per_token: float = 0.0
     slots: dict[str, Slot] = field(default_factory=dict)
     tpot_by_occupancy: list[float] = field(default_factory=list)  # seconds, index = busy - 1
+    # engine.session_stats for engines that keep sessions' KV (read at every push), else None
+    session_stats: Callable[[], object] | None = None
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -103,6 +106,12 @@ class LoadTracker:
         remaining = [s.remaining for s in self.slots.values()]
         tpot_ms = self.tpot_ewma_s * 1e3
         soonest = 0.0 if self.has_free_slot() else min(remaining, default=0) * tpot_ms
+        sessions = None
+        if self.session_stats is not None:
+            s = self.session_stats()
+            sessions = common_pb2.SessionCacheStats(
+                hits=s.hits, misses=s.misses, evictions=s.evictions, reused_tokens=s.reused_tokens,
+                sessions=s.sessions, bytes=s.bytes, max_bytes=s.max_bytes, max_sessions=s.max_sessions)
         return common_pb2.ReplicaLoad(
             replica_id=self.replica_id,
             capacity=self.capacity,
@@ -117,6 +126,7 @@ class LoadTracker:
             expected_slot_free_ms=soonest,
             prefill_ms_per_token=self.prefill_s_per_token * 1e3,
             version=self.version,
+            session_cache=sessions,
         )
 
 

@@ -28,6 +28,7 @@ from replicas.engine import (
     Generation,
     InvalidRequest,
     SamplingParams,
+    accepts_session_id,
     validate_prompt,
 )
 from replicas.metrics import ReplicaMetrics
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 2.0  # WatchLoad re-sends the current load this often when nothing changes
 UNHEALTHY_AFTER = 3  # consecutive engine failures before readiness turns NOT_SERVING
 PROBE_INTERVAL_S = 2.0  # while unhealthy, a 1-token probe generation this often; success = healthy again
+MAX_SESSION_ID_CHARS = 256  # session ids key the engine's session KV; the router enforces the same
 
 _FINISH = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -65,6 +67,7 @@ class Running:
 
     request_id: str
     queue: asyncio.Queue  # (kind, value, perf_counter time): token | done | invalid | busy | error
+    session_id: str = ""  # passed to engines that keep sessions' KV between turns
     generation: Generation | None = None
     engine_started_at: float = 0.0  # when the worker handed the prompt to the engine
     aborted: bool = False
@@ -91,6 +94,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         self.probe_interval_s = PROBE_INTERVAL_S
         self._probe_task: asyncio.Task | None = None
         self._on_health_change = on_health_change  # async callable(healthy: bool)
+        self._sessions = accepts_session_id(engine)  # else session_id only steers the router
 
     # ---- Generate ------------------------------------------------------------------------
     async def Generate(self, request: replica_pb2.ReplicaGenerateRequest, context: grpc.aio.ServicerContext):
@@ -98,6 +102,9 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         try:
             params = sampling_from_proto(request.sampling)
             prompt = validate_prompt(request.prompt_token_ids, params, self.engine.config, self.engine.max_context)
+            if len(request.session_id) > MAX_SESSION_ID_CHARS:
+                raise InvalidRequest(f"session_id is {len(request.session_id)} characters; use at most "
+                                     f"{MAX_SESSION_ID_CHARS}")
         except InvalidRequest as e:
             self.metrics.requests("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -114,7 +121,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         if not self.load.has_free_slot():
             await self._reject_busy(context)
 
-        run = Running(request_id, asyncio.Queue(), started_at=received)
+        run = Running(request_id, asyncio.Queue(), session_id=request.session_id, started_at=received)
         self.running[request_id] = run
         slot = self.load.admit(request_id, min(params.max_tokens, self.engine.max_context - len(prompt)))
         self.metrics.active_slots.set(self.load.busy)
@@ -151,7 +158,9 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                         if first_at is None:
                             first_at = t
                             self.metrics.ttft.observe(t - run.started_at)
-                            self.load.observe_prefill(t - run.engine_started_at, prompt_tokens)
+                            # only the tokens really prefilled (not those reused from a session)
+                            reused = getattr(run.generation, "reused_tokens", 0)
+                            self.load.observe_prefill(t - run.engine_started_at, prompt_tokens - reused)
                         else:
                             self.metrics.tpot.observe(t - last_at)
                             self.load.observe_tpot(t - last_at)
@@ -200,7 +209,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         )
         final = replica_pb2.ReplicaFinal(
             finish_reason=reason, timings=timings,
-            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=produced))
+            usage=common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=produced,
+                                   cached_prompt_tokens=getattr(gen, "reused_tokens", 0)))
         if gen.stop_token_id is not None:
             final.stop_token_id = gen.stop_token_id
         return final
@@ -214,7 +224,10 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         end = ("error", "the engine stopped without a reason", 0.0)
         try:
             run.engine_started_at = time.perf_counter()
-            gen = self.engine.generate(prompt, params)
+            if run.session_id and self._sessions:
+                gen = self.engine.generate(prompt, params, session_id=run.session_id)
+            else:
+                gen = self.engine.generate(prompt, params)
             run.generation = gen
             if run.cancel_requested:  # cancelled before the engine started
                 gen.cancel()

@@ -259,6 +259,8 @@ class _Stream:
             finally:
                 self.r.dispatcher.release(handle, shape.max_tokens)
 
+        if self.req.session_id and replica_final is not None:  # what the replica now holds for it
+            self.r.pool.session_grew(self.req.session_id, handle.address, len(self.p.prompt_ids) + len(self.sent))
         flush = self._flush_text()
         if flush:
             yield _response(text=flush)
@@ -340,7 +342,8 @@ class _Stream:
             self.r.metrics.tpot.observe(tpot)
         final = inference_pb2.Final(
             finish_reason=reason, matched_stop=(self.stops.matched or "") if self.stops else "",
-            usage=common_pb2.Usage(prompt_tokens=len(self.p.prompt_ids), completion_tokens=n),
+            usage=common_pb2.Usage(prompt_tokens=len(self.p.prompt_ids), completion_tokens=n, cached_prompt_tokens=(
+                replica_final.usage.cached_prompt_tokens if replica_final is not None else 0)),
             timings=common_pb2.ServerTimings(
                 queue_ms=self.queue_s * 1e3, ttft_ms=((self.t_first or now) - self.t0) * 1e3,
                 mean_tpot_ms=tpot * 1e3, total_ms=(now - self.t0) * 1e3,

@@ -10,8 +10,11 @@ Rules (see DESIGN.md, Router):
 - an idle replica (nothing running) beats a busy one;
 - among the rest, lowest expected completion time:
   backlog (tokens remaining x TPOT at current occupancy) + this request's prefill + decode;
-- session affinity: the replica that last served `session_id` wins if it is no worse than the
-  best by more than the prefill it would save (its KV for the session may still be resident);
+- session affinity: the replica that last served `session_id` (its engine keeps the session's KV)
+  wins if its expected completion is no worse than the best's by more than the prefill it saves:
+  its prefill rate x the tokens it would reuse (what it held after the last turn, at most the
+  prompt - 1). If that replica is full, the request waits for it (None) under the same rule —
+  its slot-wait counts as backlog — but not once its own estimate of when it frees has passed;
 - None when no replica can take the request now (the caller queues it).
 """
 
@@ -88,6 +91,8 @@ class Snapshot:
 
     replicas: tuple[ReplicaState, ...]
     sessions: dict[str, str] = field(default_factory=dict)  # session_id -> replica address
+    # session_id -> tokens that replica holds for it (last prompt + output); absent = the whole prompt
+    session_tokens: dict[str, int] = field(default_factory=dict)
 
 
 def completion_s(replica: ReplicaState, request: RequestShape, now: float) -> float:
@@ -109,14 +114,25 @@ def pick_replica(snapshot: Snapshot, request: RequestShape, now: float,
         return (r.busy > 0, completion_s(r, request, now), r.busy / r.capacity, r.address)
 
     best = min(candidates, key=rank)
-    sticky = snapshot.sessions.get(request.session_id) if request.session_id else None
-    if sticky and sticky != best.address:
-        for r in candidates:
-            if r.address == sticky:
-                saved = r.prefill_s(request.prompt_tokens)
-                if completion_s(r, request, now) - saved <= completion_s(best, request, now):
-                    return r.address
+    sticky = _session_replica(snapshot, request, now, excluded)
+    if sticky is not None and sticky.address != best.address:
+        held = snapshot.session_tokens.get(request.session_id, request.prompt_tokens)
+        saved = sticky.prefill_s(max(0, min(held, request.prompt_tokens - 1)))
+        if completion_s(sticky, request, now) - saved <= completion_s(best, request, now):
+            return sticky.address if sticky.available else None  # None: worth waiting for its slot
     return best.address
+
+
+def _session_replica(snapshot: Snapshot, request: RequestShape, now: float,
+                     excluded: set[str]) -> ReplicaState | None:
+    """The replica holding the request's session KV, if it may serve it now or once a slot frees
+    (a full one whose estimated backlog has run out is overdue: we cannot tell when it frees)."""
+    address = snapshot.sessions.get(request.session_id) if request.session_id else None
+    for r in snapshot.replicas:
+        if r.address == address and address not in excluded and r.healthy and not r.draining \
+                and (r.available or (r.capacity > 0 and r.backlog_s(now) > 0)):
+            return r
+    return None
 
 
 def estimate_wait_s(replicas: Sequence[ReplicaState], ahead: Sequence[RequestShape], now: float) -> float | None:

@@ -202,13 +202,24 @@ class ReplicaPool:
         self._on_change = on_change
         self._clock = clock
         self.replicas: dict[str, ReplicaHandle] = {}
+        # Session affinity is learnt from where the router sent each session last (replicas do not
+        # list the sessions they hold): a replica that evicted or lost the KV just prefills afresh.
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session_id -> address that served it last
+        self.session_tokens: dict[str, int] = {}  # session_id -> tokens that replica holds for it
 
-    def remember_session(self, session_id: str, address: str) -> None:
+    def remember_session(self, session_id: str, address: str, tokens: int) -> None:
+        """`session_id` goes to `address` with a `tokens`-long prompt (it holds about that many after)."""
         self.sessions[session_id] = address
         self.sessions.move_to_end(session_id)
+        self.session_tokens[session_id] = tokens
         if len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)  # forget the least recently used session
+            forgotten, _ = self.sessions.popitem(last=False)  # the least recently used session
+            self.session_tokens.pop(forgotten, None)
+
+    def session_grew(self, session_id: str, address: str, tokens: int) -> None:
+        """A turn on `address` ended holding `tokens` (prompt + output), unless the session moved since."""
+        if self.sessions.get(session_id) == address:
+            self.session_tokens[session_id] = tokens
 
     def add(self, address: str) -> ReplicaHandle:
         address = address.strip()
@@ -243,7 +254,8 @@ class ReplicaPool:
         """Immutable view for the policy (with the one session entry it may need)."""
         sticky = self.sessions.get(session_id) if session_id else None
         return Snapshot(tuple(h.state() for h in self.replicas.values()),
-                        {session_id: sticky} if sticky else {})
+                        {session_id: sticky} if sticky else {},
+                        {session_id: self.session_tokens[session_id]} if sticky else {})
 
     def any_eligible(self, exclude=()) -> bool:
         return any(h.healthy and not h.draining for a, h in self.replicas.items() if a not in exclude)

@@ -129,7 +129,7 @@ class Dispatcher:
         handle = self.pool.replicas[address]
         self.pool.reserve(handle, shape.max_tokens)
         if shape.session_id:
-            self.pool.remember_session(shape.session_id, address)
+            self.pool.remember_session(shape.session_id, address, shape.prompt_tokens)
         if self.metrics:
             self.metrics.active.inc()
         return handle

@@ -13,6 +13,7 @@ from router.errors import invalid
 from router.stop_strings import StopStringError, validate_stops
 
 DEFAULT_MAX_TOKENS = 16
+MAX_SESSION_ID_CHARS = 256  # replicas key their session KV by it; same limit there
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ def prepare(req: inference_pb2.GenerateRequest, model: ModelLimits, tokenizer: T
     if model.max_context and len(prompt_ids) >= model.max_context:
         raise invalid(f"prompt is {len(prompt_ids)} tokens but the context window is {model.max_context}: "
                       f"shorten the prompt")
+    if len(req.session_id) > MAX_SESSION_ID_CHARS:
+        raise invalid(f"session_id is {len(req.session_id)} characters; use at most {MAX_SESSION_ID_CHARS} "
+                      f"(e.g. a UUID per conversation)")
     sampling = _sampling(req.sampling, model)
     try:
         stops = validate_stops(req.stop)
