@@ -84,7 +84,8 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
                               layout_options=options)
     cp.get_default_memory_pool().free_all_blocks()
     res = {"preset": preset, "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
-           "evict_first": engine.gpu.layout.evict_first,
+           "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
+           "bar_release": engine.gpu.layout.bar_release,
            "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, nargs="*", default=[32, 512, 2000])
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT e.g. 0:0 32:1")
+                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE e.g. 0:1:0:1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import cupy as cp
@@ -171,10 +172,12 @@ def main() -> None:
 
         tensors = random_tensors(cp, preset_config(args.presets[0]))
         for spec in args.variants:
-            mb, ev = spec.split(":")
-            opts = {"l2_budget": int(mb) << 20, "evict_first": bool(int(ev))}
+            mb, ev, cw, rel = spec.split(":")
+            opts = {"l2_budget": int(mb) << 20, "evict_first": bool(int(ev)), "control_warp": bool(int(cw)),
+                    "bar_release": bool(int(rel))}
             v = bench_monokernel(cp, args.presets[0], 3, args.new_tokens, [], options=opts, tensors=tensors)
-            keys = ("preset", "l2_budget_MB", "evict_first", "tok_s", "phase_us")
+            keys = ("preset", "l2_budget_MB", "evict_first", "control_warp", "bar_release", "splits", "tok_s",
+                    "phase_us")
             print("variant", json.dumps({k: v[k] for k in keys}), flush=True)
             results.setdefault("variants", []).append(v)
         del tensors

@@ -98,13 +98,18 @@ MK_DEVICE unsigned ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+template <int kArriver>
 MK_DEVICE void grid_barrier(unsigned* count, unsigned& epoch) {
   __syncthreads();
   epoch++;
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == kArriver) {
     const unsigned target = epoch * gridDim.x;
+#if MK_BAR_RELEASE
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(count) : "memory");
+#else
     __threadfence();
     atomicAdd(count, 1u);
+#endif
     while ((int)(ld_acquire(count) - target) < 0) { }
   }
   __syncthreads();

@@ -8,6 +8,10 @@
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block
+// With MK_CTRL_WARP the last warp streams no weights: it owns the grid-barrier arrival, whose
+// memory fence would otherwise wait for the arriving thread's own in-flight weight loads.
+constexpr int kStreamWarps = kWarps - MK_CTRL_WARP;
+constexpr int kBarrierThread = (kWarps - 1) * 32 * MK_CTRL_WARP;
 constexpr int kQDim = MK_NH * MK_D;
 constexpr int kKVDim = MK_NKV * MK_D;
 constexpr int kQKVRows = kQDim + 2 * kKVDim;

@@ -8,7 +8,7 @@
 
 // Every block: the winning token over all warps' (value, index) bests.
 MK_DEVICE int reduce_best(const MkParams& p, float* s_red) {
-  const int nw = gridDim.x * kWarps;
+  const int nw = gridDim.x * kStreamWarps;
   float v = -INFINITY; int i = 0x7fffffff;
   for (int w = threadIdx.x; w < nw; w += MK_THREADS) argmax_merge(v, i, __ldcg(p.best_val + w), __ldcg(p.best_idx + w));
   warp_argmax(v, i);

@@ -60,7 +60,12 @@ struct WeightStream {
   MK_DEVICE void init(const MkParams& p, uint4* warp_ring) {
     ring = warp_ring; lane = threadIdx.x & 31;
     policy = MK_EVICT_FIRST ? l2_evict_first_policy() : 0ull;
-    gw = blockIdx.x * kWarps + (threadIdx.x >> 5); nw = gridDim.x * kWarps;
+    nw = gridDim.x * kStreamWarps;
+    if ((threadIdx.x >> 5) >= kStreamWarps) {  // the control warp: no share of any matrix
+      gw = -1; mat = -1; left = 0; slot = 0;
+      return;
+    }
+    gw = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
     mat = MAT_DN; layer = MK_L - 1;  // so the first run is the LM head
     next_run(p);
     for (slot = 0; slot < MK_RING; slot++) issue(p);
@@ -83,6 +88,7 @@ struct WeightStream {
 // memory; `epi(unit, acc0, acc1)` runs on lane 0 for every finished unit (acc1: GU's up row).
 template <int MAT, class Epi>
 MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi) {
+  if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
   warp_range(units, st.gw, st.nw, u0, u1);
@@ -113,7 +119,7 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
 // waiting: used while the latency-bound attention chain leaves HBM idle.
 template <int MAT>
 MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes) {
-  if (bytes <= 0) return;
+  if (bytes <= 0 || st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
   warp_range(units, st.gw, st.nw, u0, u1);

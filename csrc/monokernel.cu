@@ -72,12 +72,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   const MkParams& p = *pp;
   extern __shared__ __align__(16) unsigned char smem[];
   uint4* ring = reinterpret_cast<uint4*>(smem);
-  float* s_act = reinterpret_cast<float*>(smem + (size_t)kWarps * MK_RING * 512);
+  float* s_act = reinterpret_cast<float*>(smem + (size_t)kStreamWarps * MK_RING * 512);
   float* s_red = s_act + MK_ACT_FLOATS;
   const int warp = threadIdx.x >> 5;
 
   WeightStream st;
-  st.init(p, ring + warp * MK_RING * 32);
+  st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32);
   unsigned epoch = 0;
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
@@ -100,9 +100,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         float key = mode == MK_MODE_GUMBEL ? acc * invT + gumbel(p.seed, step, (int)u) : acc;
         argmax_merge(best, best_i, key, (int)u);
       });
-      if (st.lane == 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
+      if (st.lane == 0 && st.gw >= 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
     }
-    grid_barrier(p.bar_count, epoch);
+    grid_barrier<kBarrierThread>(p.bar_count, epoch);
     MK_MARK(0);
     if (prof_on) prof[6]++;
 
@@ -114,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         int t = sample_topkp(p, logits, step, M, s_red);
         if (threadIdx.x == 0) *p.shared_token = t;
       }
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       tok = __ldcg(p.shared_token);
     }
     const bool last = step + 1 >= p.max_steps || p.start_pos + step + 1 >= MK_MAX_CTX;
@@ -153,16 +153,16 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(1);
 
       attention_phase(p, layer, pos, s_act);
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(2);
 
       combine_attention(p, pos, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(3);
 
       residual_norm<MK_S_O>(p.xbuf + xi * MK_HP, nullptr, p.o_part, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
@@ -171,12 +171,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
         p.h_buf[u] = g / (1.f + __expf(-g)) * up;
       });
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(4);
 
       stage_vector<MK_I, MK_IP>(p.h_buf, s_act);
       run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, float acc, float) { p.dn_part[u] = acc; });
-      grid_barrier(p.bar_count, epoch);
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(5);
     }
   }

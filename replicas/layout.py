@@ -36,7 +36,7 @@ MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
 # The QKV -> attention -> O-proj chain is latency-bound and leaves HBM mostly idle; during it every
 # warp asks L2 to prefetch the start of its gate/up (then down) share, up to this many bytes in all
 # (H200 L2: 60 MB). The gate/up phase then reads that part from L2.
-L2_PREFETCH_BYTES = 32 << 20
+L2_PREFETCH_BYTES = 0  # measured: 32-48 MB slowed QKV more than it sped gate/up (RESULTS.md)
 MAX_STOP_IDS = 16
 RED_FLOATS = 96  # block-reduction scratch in shared memory
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
@@ -128,12 +128,15 @@ class KernelLayout:
     splits: dict = field(default_factory=dict)  # phase -> k-split factor
     l2_budget: int = 0  # bytes of MLP weights warmed into L2 per layer during the attention chain
     evict_first: bool = True  # stream weights with an L2 evict-first hint
+    control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
+    bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: ModelConfig, max_ctx: int, num_sms: int = 132,
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
-                    evict_first: bool = True) -> "KernelLayout":
+                    evict_first: bool = True, control_warp: bool = False,
+                    bar_release: bool = False) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -147,7 +150,8 @@ class KernelLayout:
                    vocab=config.vocab_size, eps=float(config.rms_norm_eps),
                    qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=config.qk_norm,
                    max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads, l2_budget=int(l2_budget),
-                   evict_first=bool(evict_first))
+                   evict_first=bool(evict_first), control_warp=bool(control_warp),
+                   bar_release=bool(bar_release))
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
@@ -190,7 +194,8 @@ class KernelLayout:
 
     @property
     def warps_per_block(self) -> int:
-        return self.threads // 32
+        """Warps per block that stream weights (the control warp, if any, does not)."""
+        return self.threads // 32 - int(self.control_warp)
 
     @property
     def total_warps(self) -> int:
@@ -261,7 +266,8 @@ class KernelLayout:
             "MK_MAX_CTX": self.max_ctx, "MK_THREADS": self.threads, "MK_RING": self.ring_slots,
             "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
             "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
-            "MK_EVICT_FIRST": int(self.evict_first), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
+            "MK_EVICT_FIRST": int(self.evict_first), "MK_CTRL_WARP": int(self.control_warp),
+            "MK_BAR_RELEASE": int(self.bar_release), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 

@@ -25,7 +25,7 @@ def flags(lay: KernelLayout) -> dict[str, str]:
 
 
 def test_llama_1b_flags_and_balance():
-    lay = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132)
+    lay = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132, control_warp=False)
     f = flags(lay)
     assert (f["MK_H"], f["MK_I"], f["MK_NH"], f["MK_NKV"], f["MK_D"], f["MK_V"]) == \
         ("2048", "8192", "32", "8", "64", "128256")
@@ -35,6 +35,14 @@ def test_llama_1b_flags_and_balance():
     assert lay.smem_bytes <= L.SMEM_LIMIT and lay.ring_slots >= 16
     # Unpadded shapes: the stream is exactly the weight bytes a decode step must read (no norms).
     assert abs(lay.stream_bytes_per_token() - preset_config("llama-3.2-1b").decode_bytes_per_token()) < 1e6
+
+
+def test_every_phase_is_balanced_across_warps():
+    for preset in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
+        lay = KernelLayout.from_config(preset_config(preset), max_ctx=4096, num_sms=132, control_warp=False)
+        for rows, name in ((lay.qkv_rows, "qkv"), (lay.hidden, "o"), (lay.hidden, "dn")):
+            units = rows * lay.splits[name]
+            assert (units / lay.total_warps) / -(-units // lay.total_warps) >= 0.9, (preset, name)
 
 
 def test_split_choice_balances_warps():
