@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None, help="model name reported by GetInfo (default: directory name)")
     p.add_argument("--tokens-per-s", type=float, default=1000.0, help="paced engine: output rate")
     p.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
+    p.add_argument("--session-cache-mb", type=float, default=1024.0,
+                   help="reference engine: MiB of agent-session KV kept between turns (default 1024)")
+    p.add_argument("--max-sessions", type=int, default=64,
+                   help="reference engine: agent sessions kept between turns, LRU (default 64; 0 = no reuse)")
 
 
 def register(sub) -> None:
@@ -69,7 +73,9 @@ def make_engine(args: argparse.Namespace):
         raise EngineUnavailable(f"--model DIR is required for --engine {args.engine}")
     if args.engine == "reference":
         from replicas.reference import ReferenceEngine
-        return ReferenceEngine.from_pretrained(args.model, max_batch=args.max_batch)
+        return ReferenceEngine.from_pretrained(
+            args.model, max_batch=args.max_batch, max_sessions=getattr(args, "max_sessions", 64),
+            session_cache_bytes=int(getattr(args, "session_cache_mb", 1024.0) * 2**20))
     try:
         import cupy  # noqa: F401  (checked first: the monokernel module needs it)
     except ImportError:

@@ -146,3 +146,18 @@ def test_session_ids_are_bounded_and_engines_without_sessions_ignore_them(cluste
         assert not paced.load().HasField("session_cache")
     finally:
         paced.stop(grace=0)
+
+
+def test_replica_cli_sizes_the_session_cache(tiny_checkpoint):
+    import argparse
+
+    from replicas.cli_replica import add_arguments, make_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engine = make_engine(parser.parse_args(["--model", str(tiny_checkpoint), "--session-cache-mb", "0.5",
+                                            "--max-sessions", "3"]))
+    stats = engine.session_stats()
+    assert (stats.max_bytes, stats.max_sessions) == (2**19, 3)
+    with pytest.raises(ValueError, match="max_sessions=-1"):
+        make_engine(parser.parse_args(["--model", str(tiny_checkpoint), "--max-sessions", "-1"]))
