@@ -79,8 +79,9 @@ def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
         raise ClusterError("monoserve is already up on this Ray cluster: run `monoserve down` first")
     _check_resources(config)
     supervisor = ray.remote(SupervisorActor).options(
+        # restarted by Ray if it crashes; the new one adopts the router and replicas (still serving)
         name=SUPERVISOR_ACTOR_NAME, namespace=config.ray.namespace, lifetime="detached", num_cpus=0,
-        max_concurrency=4, max_restarts=0,
+        max_concurrency=4, max_restarts=-1,
     ).remote(config.model_dump_json())
     timeout_s = timeout_s or config.autoscaling.start_timeout_s
     deadline = time.monotonic() + timeout_s
@@ -125,7 +126,14 @@ def status(namespace: str = "monoserve") -> dict:
     supervisor = get_supervisor(namespace)
     if supervisor is None:
         raise ClusterError("monoserve is not up on this Ray cluster (no supervisor): run `monoserve up`")
-    return ray.get(supervisor.status.remote(), timeout=30)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return ray.get(supervisor.status.remote(), timeout=30)
+        except ray.exceptions.ActorUnavailableError:  # restarting after a crash: it comes back
+            if time.monotonic() > deadline:
+                raise ClusterError("the supervisor has been restarting for 60s: see `ray logs`") from None
+            time.sleep(0.2)
 
 
 def down(namespace: str = "monoserve") -> bool:

@@ -70,6 +70,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_router()
+        self._adopt_replicas()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -78,13 +79,33 @@ class Supervisor:
         self.router = ray.remote(RouterActor).options(
             # Ray restarts a crashed router (same args, so the same port when one is configured);
             # the next round finds its pool empty and registers every ready replica again
+            # get_if_exists: a restarted supervisor takes over the router that kept serving
             name=ROUTER_ACTOR_NAME, lifetime="detached", num_cpus=r.cpus, max_restarts=-1,
-            resources={HEAD_NODE_RESOURCE: 0.001},
+            get_if_exists=True, resources={HEAD_NODE_RESOURCE: 0.001},
         ).remote(r.host, r.port, r.http_port, r.metrics_port,
                  str(self.config.model) if self.config.model else None, self.config.served_model_name, r.queue_size)
         self.router_addresses = ray.get(self.router.addresses.remote(), timeout=120)
         self.admin = RouterAdminClient(self.router_addresses["grpc"])
         self._event(f"router serving on {self.router_addresses['grpc']}")
+
+    def _adopt_replicas(self) -> None:
+        """After a supervisor restart: take over the replica actors that kept running."""
+        namespace = ray.get_runtime_context().namespace
+        now = self.clock()
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] != namespace or not name.startswith(REPLICA_PREFIX):
+                continue
+            try:
+                actor = ray.get_actor(name, namespace=namespace)
+                pg = ray.util.get_placement_group(name)
+            except ValueError:  # gone meanwhile
+                continue
+            self.replicas[name] = ManagedReplica(name, actor, pg, started_at=now, ready_ref=actor.ready.remote())
+            self._event(f"{name} adopted (kept running while the supervisor restarted)")
+        if self.replicas:
+            target = min(max(len(self.replicas), self.policy.min_replicas), self.policy.max_replicas)
+            self.memory = Memory(target=target)
 
     def start(self) -> None:
         """Run rounds in a background thread until `shutdown()`."""
@@ -144,6 +165,8 @@ class Supervisor:
                     try:
                         h = ray.get(r.health_ref)
                         r.busy = h["busy"]
+                        if h["draining"] and r.phase is Phase.READY:  # adopted mid-drain
+                            r.phase = Phase.DRAINING
                         if h["healthy"]:
                             r.last_healthy_at = now
                     except ray.exceptions.RayActorError as e:
@@ -230,7 +253,8 @@ class Supervisor:
             except Exception:
                 pass
         ray.kill(r.actor)
-        remove_placement_group(r.pg)
+        if r.pg is not None:
+            remove_placement_group(r.pg)
         self._event(f"{name} removed ({reason})")
 
     # -- reporting -------------------------------------------------------------------------------

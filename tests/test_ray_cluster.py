@@ -214,6 +214,21 @@ def test_crashed_router_is_restarted_and_replicas_re_registered(bring_up, tiny_c
     assert len(tokens) == 5 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_crashed_supervisor_is_restarted_and_adopts_the_running_replicas(bring_up, tiny_checkpoint):
+    status, stub = bring_up(make_config(tiny_checkpoint, engine="paced"))
+    names = {r["name"] for r in status["replicas"]}
+    ray.kill(ray.get_actor("monoserve-supervisor", namespace="monoserve"), no_restart=False)
+    tokens, _ = generate(stub, [1, 2], 5)  # the router keeps serving meanwhile
+    assert len(tokens) == 5
+    s = wait_for(lambda: (lambda s: s if {r["name"] for r in ready_replicas(s)} == names else None)(
+        launcher.status()), timeout=60, what="the restarted supervisor to adopt both replicas")
+    assert sum("adopted" in e for e in s["events"]) == 2
+    victim = sorted(names)[0]  # supervision works again: a killed replica is replaced
+    ray.kill(ray.get_actor(victim, namespace="monoserve"))
+    wait_for(lambda: len(ready_replicas(launcher.status())) == 2 and
+             victim not in {r["name"] for r in launcher.status()["replicas"]}, timeout=60, what="replacement")
+
+
 def test_up_fails_fast_with_the_replica_error_and_cleans_up(ray_cluster, tmp_path, tiny_checkpoint):
     # the router (tokenizer.json) or a replica (config.json) is the first to notice
     with pytest.raises(launcher.ClusterError, match=r"failed to start: .*no-such-checkpoint/\w+\.json"):
