@@ -59,6 +59,11 @@ def connect(config: ClusterConfig, address: str | None = None) -> bool:
                                "Start it with `ray start --head` or fix ray.address / --address.") from None
         return False
     ray.init(num_gpus=local_gpu_count(config), num_cpus=config.ray.num_cpus, **kwargs)
+    shortfall = _gpu_shortfall(config)
+    if shortfall:
+        ray.shutdown()
+        raise ClusterError(f"{shortfall}: lower replicas.min / replicas.gpus_per_replica, "
+                           "or set ray.num_gpus (logical GPUs) for a local cluster")
     return True
 
 
@@ -77,7 +82,6 @@ def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
     """
     if get_supervisor(config.ray.namespace) is not None:
         raise ClusterError("monoserve is already up on this Ray cluster: run `monoserve down` first")
-    _check_resources(config)
     supervisor = ray.remote(SupervisorActor).options(
         # restarted by Ray if it crashes; the new one adopts the router and replicas (still serving)
         name=SUPERVISOR_ACTOR_NAME, namespace=config.ray.namespace, lifetime="detached", num_cpus=0,
@@ -103,8 +107,9 @@ def up(config: ClusterConfig, progress=None, timeout_s: float | None = None):
                 return supervisor
         if time.monotonic() > deadline:
             down(config.ray.namespace)
-            raise ClusterError(f"replicas not ready after {timeout_s:g}s: see the Ray logs "
-                               "(`ray logs`) or raise autoscaling.start_timeout_s")
+            hint = _gpu_shortfall(config) or "see the Ray logs (`ray logs`)"
+            raise ClusterError(f"replicas not ready after {timeout_s:g}s: {hint}; "
+                               "or raise autoscaling.start_timeout_s")
         time.sleep(0.2)
 
 
@@ -113,13 +118,14 @@ def serving(status: dict) -> list[dict]:
     return [r for r in status["replicas"] if r["phase"] == "ready" and r["router_state"] == "ready"]
 
 
-def _check_resources(config: ClusterConfig) -> None:
+def _gpu_shortfall(config: ClusterConfig) -> str | None:
+    """Why the cluster cannot hold `replicas.min` replicas now, or None. (An autoscaling cluster
+    may still add nodes, so for a remote cluster this is only a hint.)"""
     need = config.replicas.gpus_per_replica
     total = ray.cluster_resources().get("GPU", 0)
     if need and total < need * config.replicas.min:
-        raise ClusterError(
-            f"the Ray cluster has {total:g} GPUs but {config.replicas.min} replicas x {need} GPUs are needed: "
-            "add nodes, lower replicas.min / replicas.gpus_per_replica, or set ray.num_gpus for a local cluster")
+        return f"the Ray cluster has {total:g} GPUs but {config.replicas.min} replicas x {need} GPUs are needed"
+    return None
 
 
 def status(namespace: str = "monoserve") -> dict:

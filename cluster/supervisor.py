@@ -155,6 +155,8 @@ class Supervisor:
                 try:
                     r.info = ray.get(r.ready_ref)
                     r.address, r.phase, r.last_healthy_at = r.info["address"], Phase.READY, now
+                    if r.info.get("draining"):  # adopted after a restart while it was draining
+                        r.phase = Phase.DRAINING
                     self._event(f"{r.name} ready at {r.address} ({r.info['engine']}, GPUs {r.info['gpu_ids']})")
                 except Exception as e:
                     r.phase, r.error = Phase.DEAD, _short(e)

@@ -144,6 +144,7 @@ class ReplicaActor:
             "max_batch": self.engine.max_batch,
             "model": self.spec.model,
             "started_at": self.started_at,
+            "draining": self.draining,
             "spec": asdict(self.spec),
         }
 

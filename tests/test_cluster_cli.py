@@ -33,3 +33,11 @@ def test_up_with_a_bad_config_file_names_the_field(tmp_path):
     cfg.write_text("model: /m\nreplicas: {min: 3, max: 1}\n")
     done = monoserve("up", "--config", str(cfg))
     assert done.returncode == 2 and "replicas: min (3) is larger than max (1)" in done.stderr
+
+
+def test_local_cluster_too_small_for_the_replicas_is_refused_before_anything_starts(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: /m\nengine: reference\nreplicas: {min: 2, max: 2}\nray: {num_gpus: 8, num_cpus: 2}\n")
+    done = monoserve("up", "--config", str(cfg))
+    assert done.returncode == 2
+    assert "the Ray cluster has 8 GPUs but 2 replicas x 8 GPUs are needed" in done.stderr
