@@ -85,7 +85,7 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
     cp.get_default_memory_pool().free_all_blocks()
     res = {"preset": preset, "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
            "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
-           "bar_release": engine.gpu.layout.bar_release,
+           "bar_release": engine.gpu.layout.bar_release, "qkv_flags": engine.gpu.layout.qkv_flags,
            "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
@@ -108,13 +108,15 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
         ttft[n] = round(1e3 * statistics.median(vals), 2)
     res["ttft_ms"] = ttft
     # phase timing from inside the kernel (block 0's view, barrier to barrier)
-    engine.profile = cp.zeros(7, cp.uint64)
+    engine.profile = cp.zeros(13, cp.uint64)
     time_generation(engine, prompt, n_new)
     prof = cp.asnumpy(engine.profile).astype(float)
     steps = max(prof[6], 1)
     names = ["lm_head+sample", "qkv", "attention", "o_proj", "gate_up", "down"]
     per = {nm: prof[i] / steps / 1e3 / (1 if i == 0 else lay.layers) for i, nm in enumerate(names)}
     res["phase_us"] = {k: round(v, 2) for k, v in per.items()}  # per step (LM) or per layer-step
+    res["phase_wait_us"] = {nm: round(prof[7 + i] / steps / 1e3 / (1 if i == 0 else lay.layers), 2)
+                            for i, nm in enumerate(names)}  # block 0's barrier wait inside each phase
     res["phase_us_total_per_token"] = round(float(prof[:6].sum()) / steps / 1e3, 1)
     engine.profile = None
     del engine
@@ -158,7 +160,7 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, nargs="*", default=[32, 512, 2000])
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE e.g. 0:1:0:1")
+                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE:QKVFLAGS e.g. 0:1:0:0:0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import cupy as cp
@@ -172,12 +174,12 @@ def main() -> None:
 
         tensors = random_tensors(cp, preset_config(args.presets[0]))
         for spec in args.variants:
-            mb, ev, cw, rel = spec.split(":")
+            mb, ev, cw, rel, qf = spec.split(":")
             opts = {"l2_budget": int(mb) << 20, "evict_first": bool(int(ev)), "control_warp": bool(int(cw)),
-                    "bar_release": bool(int(rel))}
+                    "bar_release": bool(int(rel)), "qkv_flags": bool(int(qf))}
             v = bench_monokernel(cp, args.presets[0], 3, args.new_tokens, [], options=opts, tensors=tensors)
-            keys = ("preset", "l2_budget_MB", "evict_first", "control_warp", "bar_release", "splits", "tok_s",
-                    "phase_us")
+            keys = ("preset", "l2_budget_MB", "evict_first", "control_warp", "bar_release", "qkv_flags", "splits", "tok_s",
+                    "phase_us", "phase_wait_us")
             print("variant", json.dumps({k: v[k] for k in keys}), flush=True)
             results.setdefault("variants", []).append(v)
         del tensors

@@ -6,6 +6,7 @@
 #pragma once
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
+#include "mk_stream.cuh"
 
 constexpr int kOPerThread = (kGroup * MK_D + MK_THREADS - 1) / MK_THREADS;
 
@@ -25,7 +26,28 @@ constexpr int kRowPieces = MK_D / 8;                        // 16-byte pieces pe
 MK_DEVICE int split_capacity() { return max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS)); }
 MK_DEVICE int num_splits(int ctx) { return max(1, min(split_capacity(), (ctx + 63) / 64)); }
 
-MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act) {
+// QKV units of one kv group: its kGroup q heads, its k head and its v head, each D rows x splits.
+constexpr unsigned kQKVGroupUnits = (unsigned)(kGroup + 2) * MK_D * MK_S_QKV;
+
+// Lane 0 of each warp, after its QKV units: publish how many units of each kv group it finished.
+MK_DEVICE void signal_qkv_done(const MkParams& p, const WeightStream& st) {
+  if (st.gw < 0 || st.lane != 0) return;
+  long long u0, u1;
+  warp_range(kUnitsQKV, st.gw, st.nw, u0, u1);
+  if (u1 <= u0) return;
+  __threadfence();
+  for (int g = 0; g < MK_NKV; g++) {
+    const long long starts[3] = {(long long)g * kGroup * MK_D * MK_S_QKV, (long long)(kQDim + g * MK_D) * MK_S_QKV,
+                                 (long long)(kQDim + kKVDim + g * MK_D) * MK_S_QKV};
+    const long long lens[3] = {(long long)kGroup * MK_D * MK_S_QKV, (long long)MK_D * MK_S_QKV, (long long)MK_D * MK_S_QKV};
+    long long n = 0;
+#pragma unroll
+    for (int k = 0; k < 3; k++) n += max(0LL, min(u1, starts[k] + lens[k]) - max(u0, starts[k]));
+    if (n > 0) atomicAdd(p.qkv_done + g, (unsigned)n);
+  }
+}
+
+MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctx = pos + 1;
   const int split_cap = split_capacity();  // partials: [NKV][split_cap]
@@ -58,6 +80,10 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       cp_async_commit();
     };
     if (t0 < t1) fetch_tile(t0, min(MK_ATTN_TILE, t1 - t0));
+    if (MK_QKV_FLAGS) {  // wait until every QKV unit of kv group g is written
+      if (tid == 0) while ((int)(ld_acquire(p.qkv_done + g) - qkv_target) < 0) { }
+      __syncthreads();
+    }
     // 1. q (group heads), k, v of the new token: sum the k-split partials, add bias.
 #pragma unroll
     for (int i0 = 0; i0 < (kGroup + 2) * MK_D; i0 += MK_THREADS) {

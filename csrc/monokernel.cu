@@ -79,14 +79,18 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   WeightStream st;
   st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32);
   unsigned epoch = 0;
+  unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
   const float invT = (float)p.inv_temperature;
   // Optional phase timing (block 0, thread 0): ns spent from one barrier to the next, per phase kind.
   const bool prof_on = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
-  unsigned long long prof[7] = {0, 0, 0, 0, 0, 0, 0};
-  unsigned long long t_mark = prof_on ? global_ns() : 0;
-#define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; t_mark = t_; }
+  // prof[0..5]: barrier-to-barrier ns per phase kind; prof[6]: steps; prof[7..12]: of that, ns
+  // block 0 spent waiting in the barrier (imbalance + barrier latency).
+  unsigned long long prof[13] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  unsigned long long t_mark = prof_on ? global_ns() : 0, t_arrive = 0;
+#define MK_ARRIVE() if (p.profile != nullptr) { __syncthreads(); if (prof_on) t_arrive = global_ns(); }
+#define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; prof[7 + k] += t_ - t_arrive; t_mark = t_; }
 
   for (int step = 0;; step++) {
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
@@ -102,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       });
       if (st.lane == 0 && st.gw >= 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
     }
+    MK_ARRIVE();
     grid_barrier<kBarrierThread>(p.bar_count, epoch);
     MK_MARK(0);
     if (prof_on) prof[6]++;
@@ -153,15 +158,28 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
+#if MK_QKV_FLAGS
+      // No grid barrier: each warp counts its finished units per kv group; an attention block
+      // waits only for its own group's count (qkv_target grows by one group's units per layer).
+      signal_qkv_done(p, st);
+      qkv_target += kQKVGroupUnits;
+      __syncthreads();
+      MK_MARK(1);
+      attention_phase(p, layer, pos, s_act, qkv_target);
+#else
+      MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(1);
 
-      attention_phase(p, layer, pos, s_act);
+      attention_phase(p, layer, pos, s_act, 0u);
+#endif
+      MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(2);
 
       combine_attention(p, pos, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
+      MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(3);
 
@@ -171,16 +189,18 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
         p.h_buf[u] = g / (1.f + __expf(-g)) * up;
       });
+      MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(4);
 
       stage_vector<MK_I, MK_IP>(p.h_buf, s_act);
       run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, float acc, float) { p.dn_part[u] = acc; });
+      MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(5);
     }
   }
   if (prof_on)
-    for (int k = 0; k < 7; k++) p.profile[k] = prof[k];
+    for (int k = 0; k < 13; k++) p.profile[k] = prof[k];
   cp_async_wait_all();
 }

@@ -63,7 +63,7 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("bar_count", "unsigned*"), ("bar_flag", "unsigned*"), ("cancel_step", "int*"),
     ("tokens", "int*"), ("forced", "const int*"), ("stop_ids", "const int*"),
     ("host_tokens", "volatile int*"), ("host_ctrl", "volatile int*"), ("shared_token", "int*"),
-    ("profile", "unsigned long long*"),  # null, or 7 counters: ns per phase kind + steps
+    ("profile", "unsigned long long*"), ("qkv_done", "unsigned*"),  # null, or 13 counters (see csrc/monokernel.cu)
     # scalars
     ("start_pos", "long long"), ("max_steps", "long long"), ("n_stop", "long long"),
     ("teacher", "long long"), ("mode", "long long"), ("top_k", "long long"),
@@ -129,6 +129,7 @@ class KernelLayout:
     l2_budget: int = 0  # bytes of MLP weights warmed into L2 per layer during the attention chain
     evict_first: bool = True  # stream weights with an L2 evict-first hint
     control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
+    qkv_flags: bool = True  # attention waits on per-kv-group QKV counters instead of a grid barrier
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
 
     # ---- construction ---------------------------------------------------------------------
@@ -136,7 +137,7 @@ class KernelLayout:
     def from_config(cls, config: ModelConfig, max_ctx: int, num_sms: int = 132,
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
-                    bar_release: bool = False) -> "KernelLayout":
+                    bar_release: bool = False, qkv_flags: bool = True) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -151,7 +152,7 @@ class KernelLayout:
                    qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=config.qk_norm,
                    max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads, l2_budget=int(l2_budget),
                    evict_first=bool(evict_first), control_warp=bool(control_warp),
-                   bar_release=bool(bar_release))
+                   bar_release=bool(bar_release), qkv_flags=bool(qkv_flags))
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
@@ -267,7 +268,7 @@ class KernelLayout:
             "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
             "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
             "MK_EVICT_FIRST": int(self.evict_first), "MK_CTRL_WARP": int(self.control_warp),
-            "MK_BAR_RELEASE": int(self.bar_release), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
+            "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 

@@ -66,7 +66,7 @@ class MonokernelEngine:
 
         self._prefill = Prefill(self.gpu)
         self._busy = threading.Lock()
-        self.profile = None  # set to a CuPy uint64[7] to time the kernel's phases (bench/decode.py)
+        self.profile = None  # set to a CuPy uint64[13] to time the kernel's phases (bench/decode.py)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,

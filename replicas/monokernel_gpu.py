@@ -108,6 +108,7 @@ class GpuModel:
         self.work = {k: cp.zeros(n, cp.float32) for k, n in lay.buffer_sizes().items()}
         self.best_idx = cp.zeros(lay.total_warps, cp.int32)
         self.attn_cnt = cp.zeros(c.num_key_value_heads, cp.uint32)
+        self.qkv_done = cp.zeros(c.num_key_value_heads, cp.uint32)
         self.control = cp.zeros(4, cp.uint32)  # bar_count, bar_flag, cancel_step, shared_token
         self.tokens = cp.zeros(self.max_context, cp.int32)
         self.forced = cp.zeros(self.max_context, cp.int32)
@@ -125,8 +126,9 @@ class GpuModel:
         """Start the persistent kernel (asynchronously) on `self.stream`.
 
         x_last: the prompt's last hidden state [H] fp32 (CuPy). forced: teacher-forced tokens
-        (then `logits` [max_steps, V] receives every step's logits). profile: optional CuPy uint64[7]
-        receiving ns per phase kind (LM+sample, QKV, attention, O, gate/up, down) and the step count.
+        (then `logits` [max_steps, V] receives every step's logits). profile: optional CuPy uint64[13]
+        receiving ns per phase kind (LM+sample, QKV, attention, O, gate/up, down), the step count,
+        then the part of each phase block 0 spent waiting in the grid barrier.
         """
         cp, lay, w = self.cp, self.layout, self.work
         if len(stop_ids) > L.MAX_STOP_IDS:
@@ -136,6 +138,7 @@ class GpuModel:
             w["xbuf"][:self.config.hidden_size] = x_last
             w["dn_part"][:] = 0
             self.attn_cnt[:] = 0
+            self.qkv_done[:] = 0
             self.control[:] = 0
             if stop_ids:
                 self.stop_ids[:len(stop_ids)] = cp.asarray(list(stop_ids), cp.int32)
@@ -148,7 +151,7 @@ class GpuModel:
                 "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
                 "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
                 **{k: v.data.ptr for k, v in w.items()},
-                "attn_cnt": self.attn_cnt.data.ptr, "best_idx": self.best_idx.data.ptr,
+                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr, "best_idx": self.best_idx.data.ptr,
                 "logits": (logits if logits is not None else self.logits1).data.ptr,
                 "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
                 "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
