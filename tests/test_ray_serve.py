@@ -129,6 +129,37 @@ def test_replica_killed_mid_stream_is_resumed_on_another_without_losing_tokens(s
         assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH and final.usage.completion_tokens == n
 
 
+def test_stop_string_cuts_the_text_and_is_reported(serve_app):
+    prompt = "stop strings"
+    chunks, _ = stream(serve_app, text=prompt, sampling=common_pb2.SamplingParams(max_tokens=40, ignore_eos=True))
+    full = "".join(c.text for c in chunks)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert len(stop) == 3
+    chunks, final = stream(serve_app, text=prompt, stop=[stop],
+                           sampling=common_pb2.SamplingParams(max_tokens=40, ignore_eos=True))
+    assert "".join(c.text for c in chunks) == full[:full.index(stop)]
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP and final.matched_stop == stop
+
+
+def test_cancelled_stream_frees_the_replica_for_the_next_requests(serve_app):
+    req = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[4, 4]),
+                                        sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True))
+    call = serve_app.Generate(req, metadata=METADATA, timeout=60)
+    for i, _ in enumerate(call):
+        if i == 10:
+            call.cancel()
+            break
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[1, 2]), sampling=common_pb2.SamplingParams(max_tokens=20, ignore_eos=True))))
+        for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and all(f.usage.completion_tokens == 20 for _, f in results)
+
+
 def test_bad_request_is_invalid_argument_naming_the_problem(serve_app):
     with pytest.raises(grpc.RpcError) as err:
         stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[1, 999999]))
