@@ -251,9 +251,14 @@ def test_cli_up_status_down(ray_cluster, tiny_checkpoint, capsys):
 
     gcs = ray.get_runtime_context().gcs_address
     assert main(["up", "--address", gcs, "--model", str(tiny_checkpoint), "--engine", "paced",
-                 "--replicas", "1", "--port", "0"]) == 0
+                 "--replicas", "1", "--port", "0", "--http-port", "0"]) == 0
     out = capsys.readouterr().out
     assert "monoserve is up" in out and "paced" in out
+    http = launcher.status()["router"]["http"]  # the router's OpenAI-compatible front
+    import httpx
+
+    models = httpx.get(f"{http}/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [tiny_checkpoint.name]
     assert main(["status", "--address", gcs, "--events"]) == 0
     out = capsys.readouterr().out
     assert "replicas  target 1 (min 1, max 1)" in out and "registered with the router" in out
