@@ -11,6 +11,7 @@ from cluster.config import ClusterConfig
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
     from deploy.serve_app import GRPC_SERVICER, ServeAppArgs, build_app
+    from ray.serve.schema import ServeDeploySchema
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 
@@ -24,6 +25,7 @@ def serve_configs():
 
 @pytest.mark.parametrize("name, config", list(serve_configs()))
 def test_serve_configs_use_our_app_and_grpc_servicer(name, config):
+    ServeDeploySchema.model_validate(config)  # what `serve run` / `serve deploy` / KubeRay check
     assert config["grpc_options"]["grpc_servicer_functions"] == [GRPC_SERVICER]
     (app,) = config["applications"]
     assert app["import_path"] == "deploy.serve_app:build_app"
@@ -38,8 +40,15 @@ def test_kuberay_workers_are_whole_8_gpu_nodes():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
-def test_cluster_launcher_yaml_has_8_gpu_worker_nodes():
+def test_cluster_launcher_yaml_is_valid_and_has_8_gpu_worker_nodes():
+    import json
+
+    import jsonschema
+    import ray
+
     cfg = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(cfg, schema)  # the schema `ray up` validates against
     workers = [t for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]]
     assert workers and all(t["resources"]["GPU"] == 8 for t in workers)
 
