@@ -189,6 +189,9 @@ def main() -> None:
         r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
         print(json.dumps(r), flush=True)
         results["monokernel"].append(r)
+    if args.out:  # save our figures before the (slow, compiling) peer runs
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode.json").write_text(json.dumps(results, indent=1))
     if not args.no_peer:
         for preset in args.presets:
             try:
