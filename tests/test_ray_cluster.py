@@ -106,11 +106,12 @@ def test_two_replicas_own_disjoint_gpus_and_both_serve(bring_up, tiny_checkpoint
     assert all(len(g) == 8 for g in gpu_sets) and not gpu_sets[0] & gpu_sets[1]
 
     # the reference engine has one slot: concurrent requests must spread over both replicas
-    threads, results, errors = run_concurrently(lambda i: generate(stub, [10 + i, 11, 12], 300), 4)
+    # long enough (~0.5 s each) that all four overlap even on a loaded 2-core CI machine
+    threads, results, errors = run_concurrently(lambda i: generate(stub, [10 + i, 11, 12], 1000), 4)
     for t in threads:
         t.join()
     assert not errors
-    assert all(len(tokens) == 300 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(len(tokens) == 1000 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
                for tokens, final in results)
     served_by = {final.replica_id for _, final in results}
     assert served_by == {r["name"].removeprefix("monoserve-") for r in replicas}

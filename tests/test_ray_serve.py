@@ -82,14 +82,14 @@ def test_concurrent_requests_go_to_idle_replicas(serve_app):
 
     def one(i):
         results.append(stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[5, 6, i]),
-                              sampling=common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)))
+                              sampling=common_pb2.SamplingParams(max_tokens=800, ignore_eos=True)))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(results) == 2 and all(f.usage.completion_tokens == 400 for _, f in results)
+    assert len(results) == 2 and all(f.usage.completion_tokens == 800 for _, f in results)
     assert len({f.replica_id for _, f in results}) == 2  # one each: idle replicas first
 
 
