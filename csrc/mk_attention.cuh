@@ -21,6 +21,36 @@ constexpr int kAttnFloats = kAttnKV + MK_ATTN_TILE * MK_D;
 static_assert(kAttnFloats <= MK_ACT_FLOATS, "attention scratch exceeds the activation buffer");
 static_assert(MK_QP + 2 * MK_NH * MK_MAX_SPLITS <= MK_ACT_FLOATS, "combine scratch");
 constexpr int kRowPieces = MK_D / 8;                        // 16-byte pieces per K/V row
+constexpr int kTilePieces = 2 * MK_ATTN_TILE * kRowPieces;   // K tile then V tile
+constexpr int kPiecesPerThread = (kTilePieces + MK_THREADS - 1) / MK_THREADS;
+
+// MK_KV_REGS: K/V tiles are loaded through registers, so waiting for them never waits for the
+// weight ring's cp.async groups (cp.async.wait_group completes groups in order only).
+struct KVTile {
+  uint4 r[kPiecesPerThread];
+  MK_DEVICE static bool decode(int i, int tt, int n, int pos, int& kv, int& j, int& c) {
+    kv = i / (MK_ATTN_TILE * kRowPieces);
+    const int rem = i % (MK_ATTN_TILE * kRowPieces);
+    j = rem / kRowPieces; c = rem % kRowPieces;
+    return i < kTilePieces && j < n && tt + j != pos;
+  }
+  MK_DEVICE void load(const MkParams& p, long long head_base, int tt, int n, int pos) {
+#pragma unroll
+    for (int k = 0; k < kPiecesPerThread; k++) {
+      int kv, j, c;
+      if (decode(threadIdx.x + k * MK_THREADS, tt, n, pos, kv, j, c))
+        r[k] = __ldcg(reinterpret_cast<const uint4*>((kv ? p.v_cache : p.k_cache) + (head_base + tt + j) * MK_D + c * 8));
+    }
+  }
+  MK_DEVICE void store(uint16_t* s_k, uint16_t* s_v, int tt, int n, int pos) const {
+#pragma unroll
+    for (int k = 0; k < kPiecesPerThread; k++) {
+      int kv, j, c;
+      if (decode(threadIdx.x + k * MK_THREADS, tt, n, pos, kv, j, c))
+        *reinterpret_cast<uint4*>((kv ? s_v : s_k) + j * MK_D + c * 8) = r[k];
+    }
+  }
+};
 
 // KV-length splits per kv head for a context of `ctx` positions (>= ~64 positions per split).
 MK_DEVICE int split_capacity() { return max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS)); }
@@ -79,7 +109,11 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       }
       cp_async_commit();
     };
-    if (t0 < t1) fetch_tile(t0, min(MK_ATTN_TILE, t1 - t0));
+    KVTile tile;
+    if (t0 < t1) {
+      if (MK_KV_REGS) tile.load(p, head_base, t0, min(MK_ATTN_TILE, t1 - t0), pos);
+      else fetch_tile(t0, min(MK_ATTN_TILE, t1 - t0));
+    }
     if (MK_QKV_FLAGS) {  // wait until every QKV unit of kv group g is written
       if (tid == 0) while ((int)(ld_acquire(p.qkv_done + g) - qkv_target) < 0) { }
       __syncthreads();
@@ -135,7 +169,12 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
     for (int k = 0; k < kOPerThread; k++) o[k] = 0.f;
     for (int tt = t0; tt < t1; tt += MK_ATTN_TILE) {
       const int n = min(MK_ATTN_TILE, t1 - tt);
-      cp_async_wait_all();
+      if (MK_KV_REGS) {
+        if (tt != t0) tile.load(p, head_base, tt, n, pos);
+        tile.store(s_k, s_v, tt, n, pos);
+      } else {
+        cp_async_wait_all();
+      }
       __syncthreads();
       for (int j = warp; j < n; j += kWarps) {
         float kv[kDPerLane];
@@ -190,7 +229,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
         }
       }
       __syncthreads();
-      if (tt + MK_ATTN_TILE < t1) fetch_tile(tt + MK_ATTN_TILE, min(MK_ATTN_TILE, t1 - tt - MK_ATTN_TILE));
+      if (!MK_KV_REGS && tt + MK_ATTN_TILE < t1) fetch_tile(tt + MK_ATTN_TILE, min(MK_ATTN_TILE, t1 - tt - MK_ATTN_TILE));
     }
     // 4. publish this split's partial; the last split of kv head g to finish combines.
     const long long pbase = ((long long)g * split_cap + s) * kGroup;

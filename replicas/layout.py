@@ -131,6 +131,7 @@ class KernelLayout:
     control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
     qkv_flags: bool = False  # attention waits on per-kv-group QKV counters instead of a grid barrier
     # (measured slower than the barrier on H200: 1,013 vs 1,037 tok/s on llama-3.2-1b; kept as an option)
+    kv_regs: bool = True  # attention's K/V tiles through registers (not cp.async behind the weight ring)
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
 
     # ---- construction ---------------------------------------------------------------------
@@ -138,7 +139,8 @@ class KernelLayout:
     def from_config(cls, config: ModelConfig, max_ctx: int, num_sms: int = 132,
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
-                    bar_release: bool = False, qkv_flags: bool = False) -> "KernelLayout":
+                    bar_release: bool = False, qkv_flags: bool = False,
+                    kv_regs: bool = True) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -153,7 +155,8 @@ class KernelLayout:
                    qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=config.qk_norm,
                    max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads, l2_budget=int(l2_budget),
                    evict_first=bool(evict_first), control_warp=bool(control_warp),
-                   bar_release=bool(bar_release), qkv_flags=bool(qkv_flags))
+                   bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
+                   kv_regs=bool(kv_regs))
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
@@ -269,7 +272,8 @@ class KernelLayout:
             "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
             "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
             "MK_EVICT_FIRST": int(self.evict_first), "MK_CTRL_WARP": int(self.control_warp),
-            "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
+            "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
+            "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 
