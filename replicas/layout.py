@@ -131,7 +131,8 @@ class KernelLayout:
     control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
     qkv_flags: bool = False  # attention waits on per-kv-group QKV counters instead of a grid barrier
     # (measured slower than the barrier on H200: 1,013 vs 1,037 tok/s on llama-3.2-1b; kept as an option)
-    kv_regs: bool = True  # attention's K/V tiles through registers (not cp.async behind the weight ring)
+    kv_regs: bool = False  # attention's K/V tiles through registers (not cp.async behind the weight ring);
+    # measured slower (register spills): 1,012 vs 1,041 tok/s on llama-3.2-1b
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
 
     # ---- construction ---------------------------------------------------------------------
@@ -140,7 +141,7 @@ class KernelLayout:
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
-                    kv_regs: bool = True) -> "KernelLayout":
+                    kv_regs: bool = False) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
