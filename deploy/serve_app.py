@@ -55,6 +55,14 @@ class ServeAppArgs(BaseModel):
         return self
 
     @property
+    def slots(self) -> int:
+        """Concurrent generations per replica: one engine per tensor-parallel GPU group on GPU
+        nodes (the reference engine on CPU is a single engine and queues the excess)."""
+        groups = self.gpus_per_replica // (self.tensor_parallel_size or self.gpus_per_replica) \
+            if self.gpus_per_replica and self.engine in ("auto", "monokernel") else 1
+        return self.max_batch * groups
+
+    @property
     def served_name(self) -> str:
         if self.model_name:
             return self.model_name
@@ -75,7 +83,7 @@ def build_app(args: dict | None = None):
     bundle = placement_bundle(a.gpus_per_replica, a.cpus_per_replica)
     replica = EngineReplica.options(
         num_replicas=a.num_replicas,
-        max_ongoing_requests=a.max_batch,
+        max_ongoing_requests=a.slots,
         ray_actor_options={"num_cpus": a.cpus_per_replica, "num_gpus": a.gpus_per_replica},
         placement_group_bundles=[bundle],  # one bundle: the replica's whole node
         placement_group_strategy="STRICT_PACK",

@@ -16,7 +16,7 @@ import time
 from ray import serve
 
 from replicas.actor import ReplicaSpec, make_engine
-from replicas.engine import SamplingParams
+from replicas.engine import EngineBusy, SamplingParams
 
 TPOT_EWMA_WEIGHT = 0.2
 
@@ -60,7 +60,7 @@ class EngineReplica:
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        gen = self.engine.generate(prompt_ids, params)
+        gen = await self._start(prompt_ids, params)
         slot = [params.max_tokens, 0]
         self._running[id(slot)] = slot
         pump = threading.Thread(target=_pump, args=(gen, loop, queue), daemon=True)
@@ -87,6 +87,15 @@ class EngineReplica:
             self._running.pop(id(slot), None)
             if pump.is_alive():  # cancelled mid-stream: free the slot before Serve sends the next request
                 await asyncio.to_thread(pump.join, 5.0)
+
+    async def _start(self, prompt_ids: list[int], params: SamplingParams):
+        """engine.generate, waiting for a slot when Serve sent more than the engine holds (an
+        `auto` deployment sized for GPU engine groups that landed on the CPU engine)."""
+        while True:
+            try:
+                return self.engine.generate(prompt_ids, params)
+            except EngineBusy:
+                await asyncio.sleep(0.005)
 
     def _observe_tpot(self, seconds: float) -> None:
         old = self._tpot_s

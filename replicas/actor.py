@@ -92,12 +92,33 @@ def make_engine(spec: ReplicaSpec, devices: list[int]):
             raise RuntimeError(f"replica {spec.replica_id}: engine 'monokernel' needs GPUs but Ray granted none")
         from replicas.monokernel import MonokernelEngine
 
-        return MonokernelEngine.from_pretrained(spec.model, devices=devices[: spec.tensor_parallel_size])
+        return engines_per_gpu_group(lambda group: MonokernelEngine.from_pretrained(spec.model, devices=group),
+                                     devices, spec.tensor_parallel_size)
     from replicas.model import ModelConfig
     from replicas.testing import PacedEngine, tiny_config
 
     config = ModelConfig.from_pretrained(spec.model) if spec.model else tiny_config()
     return PacedEngine(config, tokens_per_s=spec.paced_tokens_per_s, max_batch=spec.max_batch)
+
+
+def engines_per_gpu_group(load, devices: list[int], tensor_parallel_size: int):
+    """One engine per `tensor_parallel_size` GPUs (loaded in parallel), served as one engine.
+
+    8 GPUs with tensor_parallel_size 8 -> one engine over all of them; with 1 -> eight
+    single-GPU engines behind an `EngineGroup` (8 slots).
+    """
+    tp = max(1, tensor_parallel_size)
+    if len(devices) % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the {len(devices)} GPUs Ray granted")
+    groups = [devices[i:i + tp] for i in range(0, len(devices), tp)]
+    if len(groups) == 1:
+        return load(groups[0])
+    from concurrent.futures import ThreadPoolExecutor
+
+    from replicas.engine_group import EngineGroup
+
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+        return EngineGroup(list(pool.map(load, groups)))
 
 
 class ReplicaActor:

@@ -31,6 +31,7 @@ def test_serve_configs_use_our_app_and_grpc_servicer(name, config):
     assert app["import_path"] == "deploy.serve_app:build_app"
     args = ServeAppArgs.model_validate(app["args"])
     assert args.gpus_per_replica == 8
+    assert args.slots == 8 * args.max_batch // args.tensor_parallel_size  # one engine per GPU group
 
 
 def test_kuberay_workers_are_whole_8_gpu_nodes():
@@ -57,6 +58,12 @@ def test_cluster_launcher_yaml_is_valid_and_has_8_gpu_worker_nodes():
 def test_cluster_configs_validate(name):
     cfg = ClusterConfig.from_yaml(DEPLOY / name)
     assert cfg.replicas.gpus_per_replica == 8
+
+
+def test_serve_slots_follow_engine_groups():
+    assert ServeAppArgs(model="/m", tensor_parallel_size=2, max_batch=2).slots == 8  # 4 engines x 2
+    assert ServeAppArgs(model="/m").slots == 1  # tp defaults to all 8 GPUs: one engine
+    assert ServeAppArgs(model="/m", engine="reference", tensor_parallel_size=1).slots == 1  # CPU: one engine
 
 
 def test_build_app_rejects_bad_arguments_by_name():
