@@ -160,6 +160,24 @@ def test_cancelled_stream_frees_the_replica_for_the_next_requests(serve_app):
     assert len(results) == 2 and all(f.usage.completion_tokens == 20 for _, f in results)
 
 
+def test_abort_ends_the_stream_with_cancelled(serve_app):
+    req = inference_pb2.GenerateRequest(request_id="abort-me", token_ids=inference_pb2.TokenIds(ids=[3, 3]),
+                                        sampling=common_pb2.SamplingParams(max_tokens=1500, ignore_eos=True))
+    tokens, final = 0, None
+    for msg in serve_app.Generate(req, metadata=METADATA, timeout=60):
+        if msg.HasField("chunk"):
+            tokens += len(msg.chunk.token_ids)
+            if tokens == 5:
+                reply = serve_app.Abort(inference_pb2.AbortRequest(request_id="abort-me"), metadata=METADATA,
+                                        timeout=10)
+                assert reply.found
+        else:
+            final = msg.final
+    assert final.finish_reason == common_pb2.FINISH_REASON_CANCELLED and 5 <= tokens < 1500
+    assert not serve_app.Abort(inference_pb2.AbortRequest(request_id="abort-me"), metadata=METADATA,
+                               timeout=10).found
+
+
 def test_bad_request_is_invalid_argument_naming_the_problem(serve_app):
     with pytest.raises(grpc.RpcError) as err:
         stream(serve_app, token_ids=inference_pb2.TokenIds(ids=[1, 999999]))
