@@ -162,3 +162,35 @@ def test_concurrent_turns_of_one_session_are_both_correct(engine):
 def test_engines_without_sessions_are_recognised():
     assert not accepts_session_id(PacedEngine())
     assert accepts_session_id(ReferenceEngine.__new__(ReferenceEngine))
+
+
+def test_bounds_and_leases_hold_under_any_sequence_of_turns():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ops = st.lists(st.tuples(st.sampled_from("abcd"), st.booleans(), st.integers(1, 40), st.integers(0, 3)),
+                   max_size=60)
+
+    @settings(max_examples=100, deadline=None)
+    @given(ops)
+    def check(steps):
+        cache = SessionCache(max_bytes=100, max_sessions=3)
+        open_leases = {}
+        for sid, finish, nbytes, extra in steps:
+            if sid in open_leases and finish:  # a running turn ends and hands its KV back
+                lease, prompt = open_leases.pop(sid)
+                cache.release(lease, (sid, len(prompt) + extra), prompt + [7] * extra, nbytes)
+            elif sid not in open_leases:  # a turn starts
+                prompt = list(range(1 + extra * 5))
+                lease = cache.acquire(sid, prompt)
+                assert 0 <= lease.reused < len(prompt)
+                assert lease.kv is None or lease.kv[0] == sid  # never another session's KV
+                open_leases[sid] = (lease, prompt)
+            idle = [s for s in cache.resident() if s not in open_leases]
+            stats = cache.stats()
+            for s, (lease, _) in open_leases.items():  # lent entries are never dropped
+                assert lease._entry is None or s in cache.resident()
+            # only KV lent to running turns may keep the cache past its bounds: no idle entry then
+            assert (stats.bytes <= 100 and stats.sessions <= 3) or not idle
+
+    check()
