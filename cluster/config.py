@@ -38,6 +38,8 @@ class ReplicaSettings(_Section):
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved in each replica's placement group.")
     max_batch: int = Field(1, ge=1, description="Concurrent generations per replica (engine slots).")
     paced_tokens_per_s: float = Field(200.0, gt=0, description="Token rate of the `paced` test engine.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
 
     @model_validator(mode="after")
     def _check(self) -> "ReplicaSettings":

@@ -234,7 +234,8 @@ class Supervisor:
         spec = ReplicaSpec(replica_id=name.removeprefix("monoserve-"),
                            model=str(cfg.model) if cfg.model else None, engine=cfg.engine,
                            model_name=cfg.served_model_name, tensor_parallel_size=rs.tp,
-                           max_batch=rs.max_batch, paced_tokens_per_s=rs.paced_tokens_per_s)
+                           max_batch=rs.max_batch, paced_tokens_per_s=rs.paced_tokens_per_s,
+                           extra={"metrics_port": rs.metrics_port} if rs.metrics_port is not None else {})
         actor = remote_class().options(
             name=name, lifetime="detached", num_cpus=rs.cpus_per_replica, num_gpus=rs.gpus_per_replica,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
@@ -274,7 +275,7 @@ class Supervisor:
                     "name": r.name, "phase": r.phase.value, "address": r.address,
                     "engine": r.info.get("engine"), "gpu_ids": r.info.get("gpu_ids", []),
                     "node_ip": r.info.get("node_ip"), "busy": self._view(r).busy,
-                    "capacity": r.info.get("max_batch"),
+                    "capacity": r.info.get("max_batch"), "metrics": r.info.get("metrics"),
                     "router_state": _state_name(entry.state) if entry is not None else None,
                     "error": r.error,
                 })

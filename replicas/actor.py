@@ -166,6 +166,7 @@ class ReplicaActor:
             "model": self.spec.model,
             "started_at": self.started_at,
             "draining": self.draining,
+            "metrics": f"http://{self.node_ip}:{self.server.metrics_port}/metrics" if self.server.metrics_port else None,
             "spec": asdict(self.spec),
         }
 

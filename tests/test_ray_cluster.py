@@ -204,7 +204,13 @@ def test_scales_up_under_queued_load_and_down_when_idle_without_cutting_requests
 
 
 def test_crashed_router_is_restarted_and_replicas_re_registered(bring_up, tiny_checkpoint):
-    status, _ = bring_up(make_config(tiny_checkpoint, engine="paced", replicas=(1, 1)))
+    config = make_config(tiny_checkpoint, engine="paced", replicas=(1, 1)).with_overrides(
+        **{"replicas.metrics_port": 0})
+    status, _ = bring_up(config)
+    import httpx
+
+    (replica,) = status["replicas"]  # each replica serves Prometheus metrics when asked to
+    assert "monoserve" in httpx.get(replica["metrics"], timeout=10).text
     router = ray.get_actor("monoserve-router", namespace="monoserve")
     ray.kill(router, no_restart=False)  # a crash: Ray restarts the actor
     wait_for(lambda: any("router restarted" in e for e in launcher.status()["events"]) and
