@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 EngineKind = Literal["auto", "reference", "monokernel", "paced"]
 
@@ -42,7 +49,7 @@ class ReplicaSettings(_Section):
         None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
 
     @model_validator(mode="after")
-    def _check(self) -> "ReplicaSettings":
+    def _check(self) -> ReplicaSettings:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max}): set min <= max")
         tp = self.tensor_parallel_size
@@ -102,7 +109,7 @@ class ClusterConfig(_Section):
         return None if v is None else (Path.cwd() / v.expanduser()).absolute()
 
     @model_validator(mode="after")
-    def _check(self) -> "ClusterConfig":
+    def _check(self) -> ClusterConfig:
         if self.model is None and self.engine != "paced":
             raise ValueError("model is required: give the checkpoint directory (model: /path/to/checkpoint)")
         if self.engine == "monokernel" and self.replicas.gpus_per_replica == 0:
@@ -118,7 +125,7 @@ class ClusterConfig(_Section):
     # -- construction --------------------------------------------------------------------------
 
     @classmethod
-    def parse(cls, data: dict | None, source: str = "config") -> "ClusterConfig":
+    def parse(cls, data: dict | None, source: str = "config") -> ClusterConfig:
         """Validate a mapping; errors become ClusterConfigError naming each bad field."""
         if data is None:
             data = {}
@@ -130,7 +137,7 @@ class ClusterConfig(_Section):
             raise ClusterConfigError(f"{source}: invalid cluster config: " + _describe(e)) from None
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "ClusterConfig":
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
         path = Path(path)
         try:
             text = path.read_text()
@@ -142,7 +149,7 @@ class ClusterConfig(_Section):
             raise ClusterConfigError(f"{path}: not valid YAML: {e}") from None
         return cls.parse(data, source=str(path))
 
-    def with_overrides(self, **dotted) -> "ClusterConfig":
+    def with_overrides(self, **dotted) -> ClusterConfig:
         """A copy with `section.field=value` overrides (None values are ignored), re-validated."""
         data = self.model_dump(mode="json")
         for key, value in dotted.items():

@@ -70,17 +70,16 @@ def stream_one(stub, index: int, prompt: str, max_tokens: int, out: queue.Queue)
                 end = time.perf_counter()
                 n = msg.final.usage.completion_tokens
                 rate = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
-                out.put((index, "done", dict(ttft_ms=(first - sent) * 1e3 if first else float("nan"), tokens=n,
-                                             tokens_per_s=rate, replica=msg.final.replica_id,
-                                             finish=common_pb2.FinishReason.Name(msg.final.finish_reason))))
-    except Exception as e:  # shown to the user, the demo goes on
+                out.put((index, "done", {
+                    "ttft_ms": (first - sent) * 1e3 if first else float("nan"), "tokens": n, "tokens_per_s": rate,
+                    "replica": msg.final.replica_id, "finish": common_pb2.FinishReason.Name(msg.final.finish_reason)}))
+    except Exception as e:  # noqa: BLE001 -- any failure is shown to the user; the demo goes on
         out.put((index, "error", str(e)))
 
 
 def run_requests(router_address: str, num_requests: int, max_tokens: int) -> list[dict]:
     """Concurrent streamed requests; prints text as it streams, one line per request at a time."""
     import grpc
-
     from monoserve.v1 import inference_pb2_grpc
 
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router_address))

@@ -49,8 +49,8 @@ def connect(config: ClusterConfig, address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or config.ray.address
-    kwargs = dict(namespace=config.ray.namespace, runtime_env=worker_runtime_env(), include_dashboard=False,
-                  log_to_driver=False, configure_logging=False)
+    kwargs = {"namespace": config.ray.namespace, "runtime_env": worker_runtime_env(), "include_dashboard": False,
+              "log_to_driver": False, "configure_logging": False}
     if address:
         try:
             ray.init(address=address, **kwargs)
@@ -149,8 +149,8 @@ def down(namespace: str = "monoserve") -> bool:
     if supervisor is not None:
         try:
             ray.get(supervisor.shutdown.remote(), timeout=120)
-        except Exception:
-            pass
+        except ray.exceptions.RayError as e:  # dead or stuck: the leftovers are killed below
+            eprint(f"supervisor did not shut down cleanly ({_last_line(e)}); killing what is left")
         ray.kill(supervisor)
     for info in ray.util.list_named_actors(all_namespaces=True):
         name = info["name"]

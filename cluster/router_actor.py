@@ -7,7 +7,6 @@ the supervisor registers replicas with it over RouterAdmin, exactly as an operat
 from __future__ import annotations
 
 import grpc
-
 from monoserve.v1 import admin_pb2, admin_pb2_grpc
 
 ROUTER_ACTOR_NAME = "monoserve-router"

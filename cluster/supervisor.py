@@ -18,13 +18,29 @@ from dataclasses import dataclass, field
 
 import grpc
 import ray
+from monoserve.v1 import admin_pb2
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import ClusterConfig
-from cluster.router_actor import HEAD_NODE_RESOURCE, ROUTER_ACTOR_NAME, RouterActor, RouterAdminClient
-from cluster.supervision import Drain, Memory, Phase, Policy, Register, Remove, ReplicaView, Snapshot, Start, plan
-from monoserve.v1 import admin_pb2
+from cluster.router_actor import (
+    HEAD_NODE_RESOURCE,
+    ROUTER_ACTOR_NAME,
+    RouterActor,
+    RouterAdminClient,
+)
+from cluster.supervision import (
+    Drain,
+    Memory,
+    Phase,
+    Policy,
+    Register,
+    Remove,
+    ReplicaView,
+    Snapshot,
+    Start,
+    plan,
+)
 from replicas.actor import ReplicaSpec, placement_bundle, remote_class
 
 log = logging.getLogger("monoserve.supervisor")
@@ -131,8 +147,8 @@ class Supervisor:
                 self._remove(name, "shutdown")
             try:
                 ray.get(self.router.stop.remote(), timeout=10)
-            except Exception:
-                pass
+            except ray.exceptions.RayError as e:  # killed below anyway
+                log.warning("router did not stop cleanly: %s", _short(e))
             ray.kill(self.router)
             self.admin.close()
 
@@ -158,7 +174,7 @@ class Supervisor:
                     if r.info.get("draining"):  # adopted after a restart while it was draining
                         r.phase = Phase.DRAINING
                     self._event(f"{r.name} ready at {r.address} ({r.info['engine']}, GPUs {r.info['gpu_ids']})")
-                except Exception as e:
+                except ray.exceptions.RayError as e:  # the actor's constructor failed or it died
                     r.phase, r.error = Phase.DEAD, _short(e)
                     self.start_errors.append(f"{r.name}: {r.error}")
                     self._event(f"{r.name} failed to start: {r.error}")
@@ -174,7 +190,7 @@ class Supervisor:
                     except ray.exceptions.RayActorError as e:
                         r.phase, r.error = Phase.DEAD, _short(e)
                         self._event(f"{r.name} died")
-                    except Exception as e:
+                    except ray.exceptions.RayError as e:  # the health call itself failed: unhealthy
                         r.error = _short(e)
                     r.health_ref = None
                 if r.health_ref is None and r.phase is not Phase.DEAD:
@@ -248,13 +264,13 @@ class Supervisor:
         if r.address:
             try:
                 self.admin.remove(r.address, drain=False)  # running requests fail over in the router
-            except Exception as e:
+            except grpc.RpcError as e:
                 self._event(f"{name}: router did not confirm removal: {_short(e)}")
         if r.phase is not Phase.DEAD:
             try:
                 ray.get(r.actor.stop.remote(), timeout=10)
-            except Exception:
-                pass
+            except ray.exceptions.RayError as e:  # killed right below anyway
+                log.info("%s did not stop cleanly: %s", name, _short(e))
         ray.kill(r.actor)
         if r.pg is not None:
             remove_placement_group(r.pg)

@@ -46,7 +46,7 @@ class ServeAppArgs(BaseModel):
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
 
     @model_validator(mode="after")
-    def _check(self) -> "ServeAppArgs":
+    def _check(self) -> ServeAppArgs:
         if self.model is None and self.engine != "paced":
             raise ValueError("model is required: pass model=/path/to/checkpoint")
         tp = self.tensor_parallel_size

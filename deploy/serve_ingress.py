@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 import ray
+from monoserve.v1 import common_pb2, inference_pb2
 from ray import serve
 
-from monoserve.v1 import common_pb2, inference_pb2
 from replicas.engine import InvalidRequest
 from replicas.model import ModelConfig
 from replicas.server_servicer import sampling_from_proto

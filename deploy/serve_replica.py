@@ -32,7 +32,7 @@ def _pump(gen, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
     try:
         for token in gen:
             post("token", token)
-    except Exception as e:  # re-raised on the event loop, in the caller's stream
+    except Exception as e:  # noqa: BLE001 -- any engine error is re-raised in the caller's stream
         gen.close()
         post("error", e)
     else:

@@ -16,7 +16,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+)
 
 from router.policy import ReplicaState, RequestShape, completion_s
 

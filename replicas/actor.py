@@ -19,7 +19,6 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 log = logging.getLogger("monoserve.replica")
 
@@ -64,7 +63,7 @@ def cuda_available() -> bool:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device, broken install: all mean "use the CPU engine"
+    except Exception:  # noqa: BLE001 -- no driver, no device, broken install: all mean "use the CPU engine"
         return False
 
 
@@ -201,7 +200,3 @@ def remote_class():
     import ray
 
     return ray.remote(max_concurrency=4, max_restarts=0)(ReplicaActor)
-
-
-def checkpoint_exists(path: str | None) -> bool:
-    return path is not None and (Path(path) / "config.json").is_file()

@@ -14,7 +14,14 @@ from collections.abc import Generator, Sequence
 
 import numpy as np
 
-from replicas.engine import Engine, EngineBusy, FinishReason, Generation, SamplingParams, accepts_session_id
+from replicas.engine import (
+    Engine,
+    EngineBusy,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    accepts_session_id,
+)
 
 MAX_SESSIONS = 4096  # session -> member entries remembered (oldest dropped first)
 
@@ -28,8 +35,7 @@ class _MemberGeneration(Generation):
 
         def steps(cancel: threading.Event) -> Generator[int, None, tuple[FinishReason, int | None]]:
             try:
-                for token in inner:
-                    yield token
+                yield from inner
                 return inner.finish_reason or FinishReason.LENGTH, inner.stop_token_id
             finally:
                 inner.close()

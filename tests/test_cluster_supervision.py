@@ -1,6 +1,17 @@
 """The supervision rules as a pure function: snapshots in, actions out (no Ray, no clock)."""
 
-from cluster.supervision import Drain, Memory, Phase, Policy, Register, Remove, ReplicaView, Snapshot, Start, plan
+from cluster.supervision import (
+    Drain,
+    Memory,
+    Phase,
+    Policy,
+    Register,
+    Remove,
+    ReplicaView,
+    Snapshot,
+    Start,
+    plan,
+)
 
 POLICY = Policy(min_replicas=1, max_replicas=3, scale_up_after_s=5, scale_down_idle_s=30,
                 health_timeout_s=10, start_timeout_s=100)

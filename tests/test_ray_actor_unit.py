@@ -2,7 +2,12 @@
 
 import pytest
 
-from replicas.actor import ReplicaSpec, make_engine, placement_bundle, resolve_engine_kind
+from replicas.actor import (
+    ReplicaSpec,
+    make_engine,
+    placement_bundle,
+    resolve_engine_kind,
+)
 
 
 def test_bundle_is_one_node_worth_of_gpus_and_leaves_out_zero_amounts():

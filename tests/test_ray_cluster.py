@@ -14,9 +14,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster import launcher  # noqa: E402
-from cluster.config import ClusterConfig  # noqa: E402
-from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+from cluster import launcher
+from cluster.config import ClusterConfig
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,7 +76,7 @@ def run_concurrently(fn, n):
     def worker(i):
         try:
             results[i] = fn(i)
-        except Exception as e:  # surfaced by the assertion below
+        except Exception as e:  # noqa: BLE001 -- surfaced by the callers' `assert not errors`
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
@@ -118,7 +119,7 @@ def test_two_replicas_own_disjoint_gpus_and_both_serve(bring_up, tiny_checkpoint
 
 
 def test_killed_replica_is_replaced_and_in_flight_requests_fail_over(bring_up, tiny_checkpoint):
-    status, stub = bring_up(make_config(tiny_checkpoint, engine="paced"))
+    _, stub = bring_up(make_config(tiny_checkpoint, engine="paced"))
     prompt, n = [7, 8, 9], 150  # 1.5 s per request at 100 tokens/s
     expected, _ = generate(stub, prompt, 5)  # paced tokens depend only on the context
 
@@ -227,10 +228,14 @@ def test_crashed_supervisor_is_restarted_and_adopts_the_running_replicas(bring_u
     ray.kill(ray.get_actor("monoserve-supervisor", namespace="monoserve"), no_restart=False)
     tokens, _ = generate(stub, [1, 2], 5)  # the router keeps serving meanwhile
     assert len(tokens) == 5
-    s = wait_for(lambda: (lambda s: s if {r["name"] for r in ready_replicas(s)} == names else None)(
-        launcher.status()), timeout=60, what="the restarted supervisor to adopt both replicas")
+
+    def adopted_both():
+        s = launcher.status()
+        return s if {r["name"] for r in ready_replicas(s)} == names else None
+
+    s = wait_for(adopted_both, timeout=60, what="the restarted supervisor to adopt both replicas")
     assert sum("adopted" in e for e in s["events"]) == 2
-    victim = sorted(names)[0]  # supervision works again: a killed replica is replaced
+    victim = min(names)  # supervision works again: a killed replica is replaced
     ray.kill(ray.get_actor(victim, namespace="monoserve"))
     wait_for(lambda: len(ready_replicas(launcher.status())) == 2 and
              victim not in {r["name"] for r in launcher.status()["replicas"]}, timeout=60, what="replacement")

@@ -10,8 +10,9 @@ from cluster.config import ClusterConfig
 
 with warnings.catch_warnings():  # Ray Serve's own pydantic models warn on import; not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
-    from deploy.serve_app import GRPC_SERVICER, ServeAppArgs, build_app
     from ray.serve.schema import ServeDeploySchema
+
+    from deploy.serve_app import GRPC_SERVICER, ServeAppArgs, build_app
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 

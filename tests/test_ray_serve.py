@@ -11,8 +11,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.launcher import worker_runtime_env  # noqa: E402
-from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+from cluster.launcher import worker_runtime_env
 
 # Ray Serve's own pydantic models emit deprecation warnings on import; not ours to fix.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
