@@ -28,10 +28,12 @@ class ClusterError(RuntimeError):
 
 
 def worker_runtime_env() -> dict:
-    """Make this checkout importable in Ray workers (the `monoserve.v1` stubs live under proto/)."""
-    paths = [str(ROOT), str(ROOT / "proto")]
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
+    """Make this checkout importable in Ray workers (the `monoserve.v1` stubs live under proto/).
+
+    Ray expands `${PYTHONPATH}` on the worker's node, so a node's own path is kept; paths of this
+    checkout that do not exist on a remote node are simply skipped by Python there.
+    """
+    paths = [str(ROOT), str(ROOT / "proto"), "${PYTHONPATH}"]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}}
 
 
