@@ -90,6 +90,11 @@ def cmd_up(args) -> int:
         bar.close()
         launcher.eprint(f"monoserve up: {e}")
         return 1
+    except KeyboardInterrupt:  # interrupted while starting: leave nothing half-started behind
+        bar.close()
+        launcher.eprint("monoserve up: interrupted; stopping what was started")
+        launcher.down(config.ray.namespace)
+        return 130
     bar.close()
     print(launcher.format_status(launcher.status(config.ray.namespace)), flush=True)
     if not local:
