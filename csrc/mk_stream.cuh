@@ -135,8 +135,10 @@ struct WeightStream {
     ring = warp_ring; lane = threadIdx.x & 31;
     fifo = warp_fifo; fifo_w = fifo_r = 0; in_dyn = false;
     tk0 = tk1 = tk2 = tk3 = 0;
-    if (lane < 4) fifo[kFifo + lane] = 0;
-    __syncwarp();
+    if (MK_DYN) {  // the FIFO exists in shared memory only for dynamic builds
+      if (lane < 4) fifo[kFifo + lane] = 0;
+      __syncwarp();
+    }
     policy = MK_EVICT_FIRST ? l2_evict_first_policy() : 0ull;
     nw = gridDim.x * kStreamWarps;
     if ((threadIdx.x >> 5) >= kStreamWarps) {  // the control warp: no share of any matrix

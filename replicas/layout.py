@@ -143,7 +143,8 @@ class KernelLayout:
     control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
     qkv_flags: bool = False  # attention waits on per-kv-group QKV counters instead of a grid barrier
     # (measured slower than the barrier on H200: 1,013 vs 1,037 tok/s on llama-3.2-1b; kept as an option)
-    dynamic: bool = False  # layer matrices dealt to warps dynamically (granule tickets), see mk_stream.cuh
+    dynamic: bool = False  # layer matrices dealt to warps dynamically (granule tickets), see mk_stream.cuh;
+    # measured much slower (663 vs 959 tok/s on llama-3.2-1b: ticket atomics and per-granule stalls)
     kv_regs: bool = False  # attention's K/V tiles through registers (not cp.async behind the weight ring);
     # measured slower (register spills): 1,012 vs 1,041 tok/s on llama-3.2-1b
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
@@ -154,7 +155,7 @@ class KernelLayout:
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
-                    kv_regs: bool = False, dynamic: bool = True) -> "KernelLayout":
+                    kv_regs: bool = False, dynamic: bool = False) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -244,7 +245,7 @@ class KernelLayout:
 
     @property
     def smem_fixed(self) -> int:
-        return 4 * (self.act_floats + RED_FLOATS) + 4 * FIFO_ENTRIES * (self.threads // 32)
+        return 4 * (self.act_floats + RED_FLOATS) + 4 * FIFO_ENTRIES * (self.threads // 32) * self.dynamic
 
     @property
     def ring_slots(self) -> int:

@@ -46,11 +46,11 @@ def test_every_phase_is_balanced_across_warps():
 
 
 def test_dynamic_dealing_only_where_every_warp_gets_granules():
-    big = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132)
+    big = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132, dynamic=True)
     assert big.dynamic and flags(big)["MK_DYN"] == "1"
     for rows, name in ((big.qkv_rows, "qkv"), (big.hidden, "o"), (big.hidden, "dn")):
         assert rows * big.splits[name] >= 2 * big.total_warps  # >= 2 granules per warp
-    tiny = KernelLayout.from_config(preset_config("tiny"), max_ctx=64, num_sms=132)
+    tiny = KernelLayout.from_config(preset_config("tiny"), max_ctx=64, num_sms=132, dynamic=True)
     assert not tiny.dynamic and flags(tiny)["MK_DYN"] == "0"  # too small: static shares
 
 
