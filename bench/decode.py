@@ -86,7 +86,7 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
     res = {"preset": preset, "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
            "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
            "bar_release": engine.gpu.layout.bar_release, "qkv_flags": engine.gpu.layout.qkv_flags,
-           "kv_regs": engine.gpu.layout.kv_regs, "dynamic": engine.gpu.layout.dynamic,
+           "kv_regs": engine.gpu.layout.kv_regs,
            "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
@@ -166,7 +166,7 @@ def main() -> None:
     ap.add_argument("--ttft", type=int, nargs="*", default=[32, 512, 2000])
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[],
-                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE:QKVFLAGS:KVREGS:DYNAMIC e.g. 0:1:0:0:0:0:0")
+                    help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE:QKVFLAGS:KVREGS e.g. 0:1:0:0:0:0")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import cupy as cp
@@ -180,12 +180,11 @@ def main() -> None:
 
         tensors = random_tensors(cp, preset_config(args.presets[0]))
         for spec in args.variants:
-            mb, ev, cw, rel, qf, kr, dy = spec.split(":")
+            mb, ev, cw, rel, qf, kr = spec.split(":")
             opts = {"l2_budget": int(mb) << 20, "evict_first": bool(int(ev)), "control_warp": bool(int(cw)),
-                    "bar_release": bool(int(rel)), "qkv_flags": bool(int(qf)), "kv_regs": bool(int(kr)),
-                    "dynamic": bool(int(dy))}
+                    "bar_release": bool(int(rel)), "qkv_flags": bool(int(qf)), "kv_regs": bool(int(kr))}
             v = bench_monokernel(cp, args.presets[0], 3, args.new_tokens, [], options=opts, tensors=tensors)
-            keys = ("preset", "l2_budget_MB", "evict_first", "control_warp", "bar_release", "qkv_flags", "kv_regs", "dynamic", "splits", "tok_s",
+            keys = ("preset", "l2_budget_MB", "evict_first", "control_warp", "bar_release", "qkv_flags", "kv_regs", "splits", "tok_s",
                     "phase_us", "phase_wait_us")
             print("variant", json.dumps({k: v[k] for k in keys}), flush=True)
             results.setdefault("variants", []).append(v)

@@ -77,8 +77,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   const int warp = threadIdx.x >> 5;
 
   WeightStream st;
-  int* s_fifo = reinterpret_cast<int*>(s_red + 96) + warp * kFifoStride;
-  st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32, s_fifo);
+  st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32);
   unsigned epoch = 0;
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
@@ -88,8 +87,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   const bool prof_on = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
   // prof[0..5]: barrier-to-barrier ns per phase kind; prof[6]: steps; prof[7..12]: of that, ns
   // block 0 spent waiting in the barrier (imbalance + barrier latency).
-  __shared__ unsigned long long prof[13];  // shared, not registers: only thread 0 of block 0 uses it
-  if (prof_on) for (int k = 0; k < 13; k++) prof[k] = 0;
+  unsigned long long prof[13] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   unsigned long long t_mark = prof_on ? global_ns() : 0, t_arrive = 0;
 #define MK_ARRIVE() if (p.profile != nullptr) { __syncthreads(); if (prof_on) t_arrive = global_ns(); }
 #define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; prof[7 + k] += t_ - t_arrive; t_mark = t_; }

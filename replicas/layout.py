@@ -29,7 +29,7 @@ from replicas.model import ModelConfig
 CHUNK = 256  # bf16 elements one warp loads at once (32 lanes x 16 bytes)
 THREADS = 512  # threads per block (16 warps); one block per SM
 WARP_BYTES = CHUNK * 2
-SMEM_LIMIT = 227 * 1024 - 256  # opt-in shared memory per block on Hopper, less static shared
+SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on Hopper
 MAX_RING = 32  # weight-ring slots per warp (16-byte cp.async per lane each)
 ATTN_TILE = 64  # KV positions per attention tile (scores staged in shared memory)
 MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
@@ -39,7 +39,6 @@ MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
 L2_PREFETCH_BYTES = 0  # measured: 32-48 MB slowed QKV more than it sped gate/up (RESULTS.md)
 MAX_STOP_IDS = 16
 RED_FLOATS = 96  # block-reduction scratch in shared memory
-FIFO_ENTRIES = 72  # per-warp granule FIFO + counters (dynamic dealing), mirrors kFifoStride in mk_stream.cuh
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 # Kernel parameter block: one 8-byte slot per field, in this order (mirrored into C by
@@ -64,8 +63,7 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("bar_count", "unsigned*"), ("bar_flag", "unsigned*"), ("cancel_step", "int*"),
     ("tokens", "int*"), ("forced", "const int*"), ("stop_ids", "const int*"),
     ("host_tokens", "volatile int*"), ("host_ctrl", "volatile int*"), ("shared_token", "int*"),
-    ("profile", "unsigned long long*"), ("qkv_done", "unsigned*"),
-    ("tickets", "unsigned*"),  # 4 granule-ticket counters (QKV, O, GU, DN), zeroed per launch  # null, or 13 counters (see csrc/monokernel.cu)
+    ("profile", "unsigned long long*"), ("qkv_done", "unsigned*"),  # null, or 13 counters (see csrc/monokernel.cu)
     # scalars
     ("start_pos", "long long"), ("max_steps", "long long"), ("n_stop", "long long"),
     ("teacher", "long long"), ("mode", "long long"), ("top_k", "long long"),
@@ -88,16 +86,6 @@ class LayoutError(ValueError):
 
 def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def dynamic_split(rows: int, k_padded: int, warps: int) -> int:
-    """Smallest k-split giving >= 2 units per warp (dynamic dealing), or 0 if none does."""
-    for s in (1, 2, 4, 8):
-        if k_padded % (s * CHUNK):
-            return 0
-        if rows * s >= 2 * warps:
-            return s
-    return 0
 
 
 def choose_split(rows: int, k_padded: int, warps: int) -> int:
@@ -143,8 +131,6 @@ class KernelLayout:
     control_warp: bool = False  # one warp per block streams nothing and owns the barrier arrival
     qkv_flags: bool = False  # attention waits on per-kv-group QKV counters instead of a grid barrier
     # (measured slower than the barrier on H200: 1,013 vs 1,037 tok/s on llama-3.2-1b; kept as an option)
-    dynamic: bool = False  # layer matrices dealt to warps dynamically (granule tickets), see mk_stream.cuh;
-    # measured much slower (663 vs 959 tok/s on llama-3.2-1b: ticket atomics and per-granule stalls)
     kv_regs: bool = False  # attention's K/V tiles through registers (not cp.async behind the weight ring);
     # measured slower (register spills): 1,012 vs 1,041 tok/s on llama-3.2-1b
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
@@ -155,7 +141,7 @@ class KernelLayout:
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
-                    kv_regs: bool = False, dynamic: bool = False) -> "KernelLayout":
+                    kv_regs: bool = False) -> "KernelLayout":
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -173,21 +159,12 @@ class KernelLayout:
                    bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
                    kv_regs=bool(kv_regs))
         warps = base.total_warps
-        dyn = {"qkv": dynamic_split(base.qkv_rows, base.hp, warps), "o": dynamic_split(base.hidden, base.qp, warps),
-               "dn": dynamic_split(base.hidden, base.ip, warps)}
-        # Dynamic dealing needs at least two granules per warp in every layer matrix and an LM-head
-        # row for every warp (each warp must meet every instance; see csrc/mk_stream.cuh).
-        dynamic = (dynamic and not qkv_flags and all(dyn.values()) and base.inter >= 2 * warps
-                   and base.vocab >= warps)
-        if dynamic:
-            splits = dyn
-        else:
-            splits = {
-                "qkv": choose_split(base.qkv_rows, base.hp, warps),
-                "o": choose_split(base.hidden, base.qp, warps),
-                "dn": choose_split(base.hidden, base.ip, warps),
-            }
-        lay = cls(**{**base.__dict__, "splits": splits, "dynamic": dynamic})
+        splits = {
+            "qkv": choose_split(base.qkv_rows, base.hp, warps),
+            "o": choose_split(base.hidden, base.qp, warps),
+            "dn": choose_split(base.hidden, base.ip, warps),
+        }
+        lay = cls(**{**base.__dict__, "splits": splits})
         if lay.ring_slots < 4:
             raise LayoutError(f"shapes too large for shared memory ({lay.act_floats} activation floats)")
         return lay
@@ -245,7 +222,7 @@ class KernelLayout:
 
     @property
     def smem_fixed(self) -> int:
-        return 4 * (self.act_floats + RED_FLOATS) + 4 * FIFO_ENTRIES * (self.threads // 32) * self.dynamic
+        return 4 * (self.act_floats + RED_FLOATS)
 
     @property
     def ring_slots(self) -> int:
@@ -297,8 +274,7 @@ class KernelLayout:
             "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
             "MK_EVICT_FIRST": int(self.evict_first), "MK_CTRL_WARP": int(self.control_warp),
             "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
-            "MK_KV_REGS": int(self.kv_regs), "MK_DYN": int(self.dynamic),
-            "MK_G_QKV": 1, "MK_G_O": 1, "MK_G_GU": 1, "MK_G_DN": 1, "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
+            "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
         return [f"-D{k}={v}" for k, v in defs.items()]
 

@@ -109,7 +109,6 @@ class GpuModel:
         self.best_idx = cp.zeros(lay.total_warps, cp.int32)
         self.attn_cnt = cp.zeros(c.num_key_value_heads, cp.uint32)
         self.qkv_done = cp.zeros(c.num_key_value_heads, cp.uint32)
-        self.tickets = cp.zeros(4, cp.uint32)
         self.control = cp.zeros(4, cp.uint32)  # bar_count, bar_flag, cancel_step, shared_token
         self.tokens = cp.zeros(self.max_context, cp.int32)
         self.forced = cp.zeros(self.max_context, cp.int32)
@@ -140,7 +139,6 @@ class GpuModel:
             w["dn_part"][:] = 0
             self.attn_cnt[:] = 0
             self.qkv_done[:] = 0
-            self.tickets[:] = 0
             self.control[:] = 0
             if stop_ids:
                 self.stop_ids[:len(stop_ids)] = cp.asarray(list(stop_ids), cp.int32)
@@ -153,8 +151,7 @@ class GpuModel:
                 "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
                 "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
                 **{k: v.data.ptr for k, v in w.items()},
-                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr,
-                "tickets": self.tickets.data.ptr, "best_idx": self.best_idx.data.ptr,
+                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr, "best_idx": self.best_idx.data.ptr,
                 "logits": (logits if logits is not None else self.logits1).data.ptr,
                 "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
                 "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,

@@ -25,7 +25,7 @@ def flags(lay: KernelLayout) -> dict[str, str]:
 
 
 def test_llama_1b_flags_and_balance():
-    lay = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132, dynamic=False)
+    lay = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132, control_warp=False)
     f = flags(lay)
     assert (f["MK_H"], f["MK_I"], f["MK_NH"], f["MK_NKV"], f["MK_D"], f["MK_V"]) == \
         ("2048", "8192", "32", "8", "64", "128256")
@@ -39,19 +39,10 @@ def test_llama_1b_flags_and_balance():
 
 def test_every_phase_is_balanced_across_warps():
     for preset in ("llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
-        lay = KernelLayout.from_config(preset_config(preset), max_ctx=4096, num_sms=132, dynamic=False)
+        lay = KernelLayout.from_config(preset_config(preset), max_ctx=4096, num_sms=132, control_warp=False)
         for rows, name in ((lay.qkv_rows, "qkv"), (lay.hidden, "o"), (lay.hidden, "dn")):
             units = rows * lay.splits[name]
             assert (units / lay.total_warps) / -(-units // lay.total_warps) >= 0.9, (preset, name)
-
-
-def test_dynamic_dealing_only_where_every_warp_gets_granules():
-    big = KernelLayout.from_config(preset_config("llama-3.2-1b"), max_ctx=4096, num_sms=132, dynamic=True)
-    assert big.dynamic and flags(big)["MK_DYN"] == "1"
-    for rows, name in ((big.qkv_rows, "qkv"), (big.hidden, "o"), (big.hidden, "dn")):
-        assert rows * big.splits[name] >= 2 * big.total_warps  # >= 2 granules per warp
-    tiny = KernelLayout.from_config(preset_config("tiny"), max_ctx=64, num_sms=132, dynamic=True)
-    assert not tiny.dynamic and flags(tiny)["MK_DYN"] == "0"  # too small: static shares
 
 
 def test_split_choice_balances_warps():
