@@ -79,10 +79,11 @@ def cmd_up(args) -> int:
     def progress(status):
         ready = len(launcher.serving(status))
         starting = sum(r["phase"] == "starting" for r in status["replicas"])
-        if (ready, starting) != shown[0]:  # redraw on change only (quiet in logs)
-            shown[0] = (ready, starting)
+        joining = sum(r["phase"] == "ready" for r in status["replicas"]) - ready  # router connecting
+        if (ready, starting, joining) != shown[0]:  # redraw on change only (quiet in logs)
+            shown[0] = (ready, starting, joining)
             bar.n = min(ready, bar.total)
-            bar.set_postfix_str(f"{starting} starting")
+            bar.set_postfix_str(f"{starting} loading, {joining} joining the router")
 
     try:
         launcher.up(config, progress=progress)
