@@ -17,7 +17,13 @@ from replicas.model import ModelConfig
 from replicas.monokernel_weights import pack_weights, rope_tables, to_bf16_bits, to_f32
 from replicas.reference import ReferenceEngine
 from replicas.tp_prefill import ShardedPrefill
-from replicas.tp_shard import TensorParallelError, check_tp, shard_config, shard_plan, shard_tensors
+from replicas.tp_shard import (
+    TensorParallelError,
+    check_tp,
+    shard_config,
+    shard_plan,
+    shard_tensors,
+)
 from replicas.weights import expected_tensors, load_weights
 
 GOLDENS = Path(__file__).parent / "goldens"
