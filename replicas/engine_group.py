@@ -4,13 +4,16 @@ A replica owns a whole node (8 GPUs). When one engine spans fewer GPUs than the 
 (`tensor_parallel_size` < `gpus_per_replica`), the replica runs one engine per group of
 `tensor_parallel_size` GPUs and this group serves them as one engine whose slots are the sum:
 each generation goes to the least busy member; a session's next turn prefers the member that
-served its previous one (its KV may still be resident there).
+served its previous one (its KV may still be resident there). Members that keep sessions' KV
+make the group do so too: its generations report the member's `reused_tokens` and
+`session_stats()` sums the members' counters and bounds.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Generator, Sequence
+from dataclasses import fields
 
 import numpy as np
 
@@ -22,6 +25,7 @@ from replicas.engine import (
     SamplingParams,
     accepts_session_id,
 )
+from replicas.session_cache import SessionStats
 
 MAX_SESSIONS = 4096  # session -> member entries remembered (oldest dropped first)
 
@@ -42,6 +46,11 @@ class _MemberGeneration(Generation):
                 on_done()
 
         super().__init__(steps)
+
+    @property
+    def reused_tokens(self) -> int:
+        """The member's count of prompt tokens reused from the session's KV (not prefilled)."""
+        return getattr(self._inner, "reused_tokens", 0)
 
     def cancel(self) -> None:
         super().cancel()
@@ -70,6 +79,14 @@ class EngineGroup:
         self._sessions: dict[str, int] = {}
         self._lock = threading.Lock()
         self._sessions_supported = all(accepts_session_id(e) for e in self.engines)
+        # only offered when members keep sessions' KV: the replica server looks it up with getattr
+        if any(callable(getattr(e, "session_stats", None)) for e in self.engines):
+            self.session_stats = self._summed_session_stats
+
+    def _summed_session_stats(self) -> SessionStats:
+        """The members' session counters, residency and bounds added up (one cache per member)."""
+        parts = [e.session_stats() for e in self.engines if callable(getattr(e, "session_stats", None))]
+        return SessionStats(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(SessionStats)})
 
     def _pick(self, session_id: str | None) -> int:
         free = [i for i, e in enumerate(self.engines) if self._active[i] < e.max_batch]

@@ -69,3 +69,47 @@ def test_one_engine_per_tensor_parallel_group():
     assert sorted(loaded) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide the 8 GPUs"):
         engines_per_gpu_group(load, list(range(8)), 3)
+
+
+def test_a_group_of_session_engines_reports_reuse_and_summed_session_stats(tiny_checkpoint):
+    import grpc
+    import numpy as np
+    from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
+
+    from replicas.reference import ReferenceEngine
+    from replicas.server import ReplicaServer
+
+    members = [ReferenceEngine.from_pretrained(tiny_checkpoint, max_sessions=3, session_cache_bytes=2**20)
+               for _ in range(2)]
+    g = EngineGroup(members)
+    assert not hasattr(group(2), "session_stats")  # members without sessions: none offered
+    server = ReplicaServer(g)
+    server.start()
+    try:
+        def ask(ids, sid):
+            req = replica_pb2.ReplicaGenerateRequest(prompt_token_ids=ids, session_id=sid,
+                                                     sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True))
+            with grpc.insecure_channel(server.address) as ch:
+                msgs = list(replica_pb2_grpc.ReplicaStub(ch).Generate(req, timeout=30))
+            return [t for m in msgs[:-1] for t in m.chunk.token_ids], msgs[-1].final
+
+        prompt = np.random.default_rng(0).integers(3, 2000, 200).tolist()
+        out, first = ask(prompt, "agent")
+        new = [7, 8, 9]
+        _, second = ask(prompt + out + new, "agent")
+        assert first.usage.cached_prompt_tokens == 0
+        assert second.usage.cached_prompt_tokens == len(prompt) + len(out) - 1  # the wrapper passes it on
+        gen = g.generate(prompt + [11], SamplingParams(max_tokens=1), session_id="direct")
+        list(gen)
+        assert gen.reused_tokens == 0
+
+        per_member = [m.session_stats() for m in members]
+        total = g.session_stats()
+        assert (total.hits, total.misses) == (1, 2) == (sum(s.hits for s in per_member),
+                                                        sum(s.misses for s in per_member))
+        assert total.sessions == 2 and total.bytes == sum(s.bytes for s in per_member) > 0
+        assert (total.max_sessions, total.max_bytes) == (6, 2 * 2**20)
+        load = server.load().session_cache  # what the router and metrics see
+        assert (load.hits, load.reused_tokens, load.max_sessions) == (1, second.usage.cached_prompt_tokens, 6)
+    finally:
+        server.stop(grace=0)
