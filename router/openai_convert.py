@@ -87,10 +87,12 @@ def chat_to_generate(req: ChatCompletionRequest, request_id: str, model: str, to
     return g
 
 
-def usage_json(final: inference_pb2.Final | None) -> dict[str, int]:
+def usage_json(final: inference_pb2.Final | None) -> dict[str, Any]:
     p = final.usage.prompt_tokens if final else 0
     c = final.usage.completion_tokens if final else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = final.usage.cached_prompt_tokens if final else 0  # reused from the session's KV
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def finish_fields(final: inference_pb2.Final) -> dict[str, Any]:

@@ -12,6 +12,9 @@ one set of metrics. Started by `RouterServer(http_port=...)` through `start_http
   429 overloaded (with Retry-After), 503 no replica, 504 deadline. An error after streaming
   has begun is sent as a last `data: {"error": ...}` event (as OpenAI does).
 - Optional request header `X-Request-Timeout: <seconds>` sets the request's deadline.
+- Agent sessions: the body's `session_id` (or, without it, the `X-Session-Id` header) becomes
+  `GenerateRequest.session_id`; `usage.prompt_tokens_details.cached_tokens` says how many prompt
+  tokens were reused.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from starlette.routing import Route
 from router import openai_convert as convert
 from router.errors import RouterError
 from router.openai_errors import HTTPError
-from router.openai_models import ChatCompletionRequest, CompletionRequest, OpenAIRequestError, parse_request
+from router.openai_models import (ChatCompletionRequest, CompletionRequest, OpenAIRequestError, check_session_id,
+                                  parse_request)
 from router.openai_stream import (ClientGone, SSEResponse, chat_events, collect, completion_events, first_event,
                                   unless_disconnected)
 from router.openai_tools import parse_tool_calls, tool_format
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 TIMEOUT_HEADER = "x-request-timeout"
+SESSION_HEADER = "x-session-id"  # for clients that can set headers but not extra body fields
 
 
 class OpenAIApp:
@@ -101,6 +106,7 @@ class OpenAIApp:
                                                 self.router.chat_template, limits.max_context)
             else:
                 greq = convert.completion_to_generate(req, rid, req.model)
+            greq.session_id = self._session_id(request, req)
             tools = self._tool_format(req) if chat else None
             stream = self.router.generate(greq, deadline=self._deadline(request))
             if not req.stream:
@@ -133,6 +139,13 @@ class OpenAIApp:
         served = ", ".join(repr(c["id"]) for c in self._model_cards())
         return HTTPError(404, f"model {name!r} does not exist: this server serves {served} (see GET /v1/models)",
                          param="model", code="model_not_found")
+
+    @staticmethod
+    def _session_id(request: Request, req) -> str:
+        """The body's `session_id` wins over the X-Session-Id header; "" = no session."""
+        if req.session_id is not None:
+            return req.session_id
+        return check_session_id(request.headers.get(SESSION_HEADER, ""), "header X-Session-Id")
 
     def _deadline(self, request: Request) -> float | None:
         raw = request.headers.get(TIMEOUT_HEADER)

@@ -8,7 +8,8 @@ message that says what to change, instead of being ignored.
 Beyond OpenAI's fields we accept a few widely used extensions (the same names as vLLM):
 `top_k`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, and for chat
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` (e.g.
-`{"enable_thinking": false}` for Qwen3 templates).
+`{"enable_thinking": false}` for Qwen3 templates). And monoserve's own `session_id` (agent
+sessions: the replica keeps the conversation's KV between turns, see docs/sessions.md).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+
+from router.validate import MAX_SESSION_ID_CHARS
 
 
 class OpenAIRequestError(ValueError):
@@ -58,9 +61,13 @@ class SamplingFields(_Strict):
     ignore_eos: StrictBool | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: StrictBool | None = None
+    # monoserve extension: requests of one conversation with the same id reuse its KV (docs/sessions.md)
+    session_id: StrictStr | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
+        if self.session_id is not None:
+            check_session_id(self.session_id, "`session_id`")
         if self.n not in (None, 1):
             raise OpenAIRequestError(f"n={self.n} is not supported: monoserve returns one choice per request; "
                                      "send n=1 (or several requests)", "n")
@@ -250,6 +257,14 @@ def _arguments(arguments: str | dict[str, Any]) -> Any:
         return json.loads(arguments)
     except json.JSONDecodeError:
         return arguments  # not JSON: let the template print it as given
+
+
+def check_session_id(value: str, where: str) -> str:
+    """A session id as the router takes it ("" = no session), or OpenAIRequestError naming `where`."""
+    if len(value) > MAX_SESSION_ID_CHARS:
+        raise OpenAIRequestError(f"{where} is {len(value)} characters; use at most {MAX_SESSION_ID_CHARS} "
+                                 "(e.g. a UUID per conversation)", "session_id")
+    return value
 
 
 def parse_request(model: type[_Strict], body: Any) -> Any:
