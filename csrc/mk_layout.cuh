@@ -5,6 +5,9 @@
 #ifndef MK_H
 #error "compile with the -D flags from replicas.layout.KernelLayout.compile_flags()"
 #endif
+#ifndef MK_TP
+#define MK_TP 1  // tensor-parallel GPUs (layout.py emits MK_TP and the MK_TP_* flags only when > 1)
+#endif
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block

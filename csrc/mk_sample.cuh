@@ -6,6 +6,10 @@
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
 
+#ifndef MK_V_ALL
+#define MK_V_ALL MK_V  // the whole vocabulary (tensor-parallel builds: MK_V is one GPU's slice)
+#endif
+
 // Every block: the winning token over all warps' (value, index) bests.
 MK_DEVICE int reduce_best(const MkParams& p, float* s_red) {
   const int nw = gridDim.x * kStreamWarps;
@@ -32,7 +36,7 @@ MK_DEVICE int reduce_best(const MkParams& p, float* s_red) {
 MK_DEVICE void mass_above(const float* logits, float M, float invT, float t, float floor_t,
                           float* s_red, float& count, float& mass) {
   float c = 0.f, m = 0.f;
-  for (int i = threadIdx.x; i < MK_V; i += MK_THREADS) {
+  for (int i = threadIdx.x; i < MK_V_ALL; i += MK_THREADS) {
     float z = (__ldcg(logits + i) - M) * invT;
     if (z >= t && z >= floor_t) { c += 1.f; m += __expf(z); }
   }
@@ -47,7 +51,7 @@ MK_DEVICE int sample_topkp(const MkParams& p, const float* logits, int step, flo
   const float zmin = -80.f;
   float cnt, mass;
   float tk = zmin;
-  if (p.top_k > 0 && p.top_k < MK_V) {
+  if (p.top_k > 0 && p.top_k < MK_V_ALL) {
     float lo = zmin, hi = 0.f;
     for (int it = 0; it < 28; it++) {
       float mid = 0.5f * (lo + hi);
@@ -69,7 +73,7 @@ MK_DEVICE int sample_topkp(const MkParams& p, const float* logits, int step, flo
     tp = lo;
   }
   float v = -INFINITY; int idx = 0x7fffffff;
-  for (int i = threadIdx.x; i < MK_V; i += MK_THREADS) {
+  for (int i = threadIdx.x; i < MK_V_ALL; i += MK_THREADS) {
     float z = (__ldcg(logits + i) - M) * invT;
     if (z >= tp) argmax_merge(v, idx, z + gumbel(p.seed, step, i), i);
   }

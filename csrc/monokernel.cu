@@ -6,12 +6,15 @@
 // Residual adds and RMSNorms are done redundantly by every block at the start of the phase that
 // needs them (the vector is tiny); block 0 writes the new residual stream to the other half of
 // xbuf. Matvec outputs are per-unit partials the next phase sums (deterministic, no atomics).
+// With MK_TP > 1 GPUs (mk_tp.cuh) the O and down outputs are all-reduced over the GPUs and the
+// token is chosen from every GPU's vocabulary slice; MK_TP == 1 compiles exactly the code above.
 #include "mk_params.cuh"
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 #include "mk_attention.cuh"
 #include "mk_sample.cuh"
+#include "mk_tp.cuh"
 
 // x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
 // s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
@@ -79,6 +82,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   WeightStream st;
   st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32);
   unsigned epoch = 0;
+#if MK_TP > 1
+  unsigned exchanges = 0;  // bulk exchanges with the peer GPUs so far (mk_tp.cuh)
+  const int vbase = (int)p.tp_rank * MK_V;  // global id of this GPU's first vocabulary row
+#endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
@@ -94,15 +101,23 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 
   for (int step = 0;; step++) {
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
-    residual_norm<MK_S_DN>(p.xbuf + xi * MK_HP, nullptr, p.dn_part, nullptr, nullptr, p.lnf, s_act, s_red);
+    residual_norm<kSumDN>(p.xbuf + xi * MK_HP, nullptr, MK_DN_SRC(p), nullptr, nullptr, p.lnf, s_act, s_red);
     if (blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[0] = p.host_ctrl[MK_CTRL_CANCEL];
     float* logits = p.logits + (long long)step * p.logits_per_step;
     {
       float best = -INFINITY; int best_i = 0x7fffffff;
       run_phase<MAT_LM>(st, p, 0, s_act, [&](long long u, float acc, float) {
         logits[u] = acc;
+#if MK_TP > 1
+        const int gid = (int)u + vbase;
+        if (gid < MK_V_ALL) {  // rows past the vocabulary pad the last slice
+          float key = mode == MK_MODE_GUMBEL ? acc * invT + gumbel(p.seed, step, gid) : acc;
+          argmax_merge(best, best_i, key, gid);
+        }
+#else
         float key = mode == MK_MODE_GUMBEL ? acc * invT + gumbel(p.seed, step, (int)u) : acc;
         argmax_merge(best, best_i, key, (int)u);
+#endif
       });
       if (st.lane == 0 && st.gw >= 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
     }
@@ -112,11 +127,19 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     if (prof_on) prof[6]++;
 
     // ---- choose the token (same answer in every block), emit, stop checks ----
+#if MK_TP > 1
+    int cancelled;
+    int tok = tp_choose(p, s_red, step, cancelled);
+    if (mode == MK_MODE_TOPKP) tp_gather_logits(p, logits, exchanges);
+    const float* all_logits = p.tp_local + MK_TP_OFF_LOGITS;  // indexed by global id
+#else
     int tok = reduce_best(p, s_red);
+    const float* all_logits = logits;
+#endif
     if (mode == MK_MODE_TOPKP) {
       if (blockIdx.x == 0) {
-        float M = __ldcg(logits + tok);
-        int t = sample_topkp(p, logits, step, M, s_red);
+        float M = __ldcg(all_logits + tok);
+        int t = sample_topkp(p, all_logits, step, M, s_red);
         if (threadIdx.x == 0) *p.shared_token = t;
       }
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
@@ -124,7 +147,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     }
     const bool last = step + 1 >= p.max_steps || p.start_pos + step + 1 >= MK_MAX_CTX;
     int status = 0;
+#if MK_TP > 1
+    if (cancelled != 0) status = MK_STATUS_CANCELLED;  // rank 0's flag: every GPU stops at this step
+#else
     if (__ldcg(p.cancel_step) != 0) status = MK_STATUS_CANCELLED;
+#endif
     else if (!p.teacher && is_stop(p, tok)) status = MK_STATUS_STOP;
     else if (last) status = MK_STATUS_LENGTH;
     if (p.teacher && !last) tok = p.forced[step];
@@ -153,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       if (layer == 0)
         residual_norm<0>(nullptr, p.embed + (long long)tok * MK_H, nullptr, nullptr, xd, p.ln1, s_act, s_red);
       else
-        residual_norm<MK_S_DN>(xs, nullptr, p.dn_part, nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
+        residual_norm<kSumDN>(xs, nullptr, MK_DN_SRC(p), nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
       xi ^= 1;
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
@@ -182,8 +209,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(3);
+#if MK_TP > 1
+      tp_all_reduce<MK_S_O>(p, p.o_part, MK_TP_OFF_RECV_O, exchanges);
+#endif
 
-      residual_norm<MK_S_O>(p.xbuf + xi * MK_HP, nullptr, p.o_part, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
+      residual_norm<kSumO>(p.xbuf + xi * MK_HP, nullptr, MK_O_SRC(p), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
                             p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
       xi ^= 1;
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
@@ -198,6 +228,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(5);
+#if MK_TP > 1
+      tp_all_reduce<MK_S_DN>(p, p.dn_part, MK_TP_OFF_RECV_DN, exchanges);
+#endif
     }
   }
   if (prof_on)

@@ -71,6 +71,16 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("logits_per_step", "long long"),
 )
 
+# Extra fields of a tensor-parallel build (MK_TP > 1), after PARAM_FIELDS: this GPU's exchange
+# region, the device array of all N GPUs' regions (peer addresses, rank order), this GPU's rank.
+TP_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("tp_local", "float*"), ("tp_peers", "float* const*"), ("tp_rank", "long long"),
+)
+# Exchange region of one GPU (4-byte words; peers write into it): per-source arrival counters of
+# the bulk exchanges (all-reduces, logits gather), the per-step token messages (flag, value, id,
+# cancel) of every source, the two all-reduce receive buffers [hidden][N], the gathered logits.
+TP_HEADER_WORDS = 256
+
 # host_ctrl slots (int32 in pinned, host-mapped memory)
 CTRL_COUNT, CTRL_STATUS, CTRL_DONE, CTRL_CANCEL, CTRL_STOP_TOKEN = range(5)
 CTRL_WORDS = 8
@@ -134,6 +144,9 @@ class KernelLayout:
     kv_regs: bool = False  # attention's K/V tiles through registers (not cp.async behind the weight ring);
     # measured slower (register spills): 1,012 vs 1,041 tok/s on llama-3.2-1b
     bar_release: bool = False  # barrier arrival as red.release (fence.acq_rel) instead of membar + atomic
+    tp: int = 1  # tensor-parallel GPUs; the other fields then describe this GPU's shard (tp_shard.py)
+    vocab_total: int = 0  # the full vocabulary (tp > 1; `vocab` is then the padded per-GPU slice)
+    tp_skip_allreduce: bool = False  # timing only: skip the all-reduces (wrong output by design)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -141,7 +154,10 @@ class KernelLayout:
                     threads: int = THREADS, l2_budget: int = L2_PREFETCH_BYTES,
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
-                    kv_regs: bool = False) -> "KernelLayout":
+                    kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
+                    tp_skip_allreduce: bool = False) -> KernelLayout:
+        """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
+        and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
             raise LayoutError(f"head_dim={config.head_dim} is not supported by the monokernel; "
                               f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
@@ -157,7 +173,10 @@ class KernelLayout:
                    max_ctx=int(max_ctx), num_sms=int(num_sms), threads=threads, l2_budget=int(l2_budget),
                    evict_first=bool(evict_first), control_warp=bool(control_warp),
                    bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
-                   kv_regs=bool(kv_regs))
+                   kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
+                   tp_skip_allreduce=bool(tp_skip_allreduce))
+        if tp_error := base._tp_error():
+            raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
@@ -261,6 +280,27 @@ class KernelLayout:
     def stream_bytes_per_token(self) -> int:
         return 2 * sum(math.prod(s) for s in self.packed_shapes().values())
 
+    # ---- tensor parallelism ------------------------------------------------------------------
+    def _tp_error(self) -> str | None:
+        if self.tp not in (1, 2, 4, 8):
+            return f"tp={self.tp}: the monokernel supports 1, 2, 4 or 8 GPUs"
+        if self.tp == 1 and self.tp_skip_allreduce:
+            return "tp_skip_allreduce needs tp > 1"
+        if not self.vocab <= self.vocab_total <= self.tp * self.vocab:
+            return f"vocab_total={self.vocab_total} does not fit {self.tp} slices of {self.vocab}"
+        return None
+
+    def tp_offsets(self) -> dict[str, int]:
+        """Word offsets inside one GPU's exchange region (mirrored as MK_TP_OFF_* flags)."""
+        n, h = self.tp, self.hidden
+        return {"COUNT": 0, "TOKFLAG": 32, "TOKVAL": 64, "TOKID": 96, "TOKCANCEL": 128,
+                "RECV_O": TP_HEADER_WORDS, "RECV_DN": TP_HEADER_WORDS + h * n,
+                "LOGITS": TP_HEADER_WORDS + 2 * h * n, "WORDS": TP_HEADER_WORDS + 2 * h * n + n * self.vocab}
+
+    def param_fields(self) -> tuple[tuple[str, str], ...]:
+        """The kernel's parameter block of this build (params_header() guards the TP fields)."""
+        return PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ())
+
     # ---- what the compiler sees -----------------------------------------------------------
     def compile_flags(self) -> list[str]:
         s = self.splits
@@ -276,6 +316,10 @@ class KernelLayout:
             "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
             "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
+        if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
+            defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
+                         "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
+            defs.update({f"MK_TP_OFF_{k}": v for k, v in self.tp_offsets().items()})
         return [f"-D{k}={v}" for k, v in defs.items()]
 
     def buffer_sizes(self) -> dict[str, int]:
@@ -304,8 +348,16 @@ def params_header() -> str:
              "struct __align__(8) MkParams {"]
     for name, ctype in PARAM_FIELDS:
         lines.append(f"  {ctype} {name};")
+    lines.append("#if defined(MK_TP) && MK_TP > 1")
+    for name, ctype in TP_PARAM_FIELDS:
+        lines.append(f"  {ctype} {name};")
+    lines.append("#endif")
     lines.append("};")
+    lines.append("#if defined(MK_TP) && MK_TP > 1")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + len(TP_PARAM_FIELDS))}, \"one 8-byte slot per field\");")
+    lines.append("#else")
     lines.append(f"static_assert(sizeof(MkParams) == {8 * len(PARAM_FIELDS)}, \"one 8-byte slot per field\");")
+    lines.append("#endif")
     consts = {"MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
               "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
               "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,
