@@ -63,7 +63,7 @@ class SamplingParams(BaseModel):
         return self.temperature == 0.0 or self.top_k == 1
 
     @classmethod
-    def parse(cls, **kwargs) -> "SamplingParams":
+    def parse(cls, **kwargs) -> SamplingParams:
         """Build from user input; a bad value becomes InvalidRequest with a readable message."""
         try:
             return cls(**kwargs)
@@ -89,6 +89,19 @@ def validate_prompt(prompt_ids: Sequence[int], params: SamplingParams, config: M
     for t in params.stop_token_ids:
         if not 0 <= t < config.vocab_size:
             raise InvalidRequest(f"stop token id {t} outside the vocabulary [0, {config.vocab_size})")
+    return ids
+
+
+def validate_teacher_ids(token_ids: Sequence[int], config: ModelConfig, max_context: int) -> list[int]:
+    """Check the ids given to `forward_logits`; returns them as ints or raises InvalidRequest."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise InvalidRequest("token_ids is empty: give at least one token")
+    bad = [t for t in ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {config.vocab_size})")
+    if len(ids) > max_context:
+        raise InvalidRequest(f"{len(ids)} tokens exceed the context window of {max_context}")
     return ids
 
 
@@ -124,7 +137,7 @@ class Generation(Iterator[int]):
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def __iter__(self) -> "Generation":
+    def __iter__(self) -> Generation:
         return self
 
     def __next__(self) -> int:

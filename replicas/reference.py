@@ -27,10 +27,16 @@ from replicas.engine import (  # EngineBusy re-exported: callers may import it f
     SamplingParams,
     stop_ids,
     validate_prompt,
+    validate_teacher_ids,
 )
 from replicas.model import ModelConfig
 from replicas.sampling import make_rng, sample
-from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionStats
+from replicas.session_cache import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_SESSIONS,
+    SessionCache,
+    SessionStats,
+)
 from replicas.weights import load_weights
 
 PREFILL_CHUNK = 512  # prompt tokens per batched pass; bounds the [H, n, T] score buffer
@@ -222,14 +228,7 @@ class ReferenceEngine:
     # ---- the Engine protocol ----------------------------------------------------------------
     def forward_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits [len(token_ids), V] float32 (does not take a generation slot)."""
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequest("token_ids is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) > self.max_context:
-            raise InvalidRequest(f"{len(ids)} tokens exceed the context window of {self.max_context}")
+        ids = validate_teacher_ids(token_ids, self.config, self.max_context)
         cache = KVCache(self.config, len(ids))
         return self._prefill(ids, cache, all_logits=True).astype(np.float32, copy=False)
 
