@@ -4,7 +4,8 @@ Example (every field optional except `model`, unless `engine: paced`):
 
     model: /models/Llama-3.2-1B-Instruct
     engine: auto            # auto | reference | monokernel | paced
-    replicas: {min: 2, max: 4, gpus_per_replica: 8, cpus_per_replica: 1}
+    replicas: {min: 2, max: 4, gpus_per_replica: 8, cpus_per_replica: 1,
+               session_cache_mb: 1024, max_sessions: 64}   # agent-session KV kept between turns
     router: {host: 0.0.0.0, port: 50051, http_port: 8000, metrics_port: 9090}
     autoscaling: {scale_up_after_s: 5, scale_down_idle_s: 60}
     ray: {address: auto}    # or null: start a local Ray with `num_gpus` logical GPUs
@@ -47,6 +48,11 @@ class ReplicaSettings(_Section):
     paced_tokens_per_s: float = Field(200.0, gt=0, description="Token rate of the `paced` test engine.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
+    session_cache_mb: float = Field(
+        1024.0, ge=0, allow_inf_nan=False,
+        description="MiB of agent-session KV each engine keeps between turns (engines with session reuse).")
+    max_sessions: int = Field(
+        64, ge=0, description="Agent sessions each engine keeps between turns, LRU; 0 = no reuse.")
 
     @model_validator(mode="after")
     def _check(self) -> ReplicaSettings:
@@ -121,6 +127,17 @@ class ClusterConfig(_Section):
         if self.model_name:
             return self.model_name
         return self.model.name if self.model is not None else "paced"
+
+    def replica_spec(self, replica_id: str):
+        """The `replicas.actor.ReplicaSpec` of one replica of this cluster."""
+        from replicas.actor import ReplicaSpec
+
+        rs = self.replicas
+        return ReplicaSpec(replica_id=replica_id, model=str(self.model) if self.model else None, engine=self.engine,
+                           model_name=self.served_model_name, tensor_parallel_size=rs.tp,
+                           max_batch=rs.max_batch, paced_tokens_per_s=rs.paced_tokens_per_s,
+                           session_cache_mb=rs.session_cache_mb, max_sessions=rs.max_sessions,
+                           extra={"metrics_port": rs.metrics_port} if rs.metrics_port is not None else {})
 
     # -- construction --------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from cluster.supervision import (
     Start,
     plan,
 )
-from replicas.actor import ReplicaSpec, placement_bundle, remote_class
+from replicas.actor import placement_bundle, remote_class
 
 log = logging.getLogger("monoserve.supervisor")
 REPLICA_PREFIX = "monoserve-replica-"
@@ -247,11 +247,7 @@ class Supervisor:
         name = REPLICA_PREFIX + uuid.uuid4().hex[:6]
         pg = placement_group([placement_bundle(rs.gpus_per_replica, rs.cpus_per_replica)],
                              strategy="STRICT_PACK", name=name, lifetime="detached")
-        spec = ReplicaSpec(replica_id=name.removeprefix("monoserve-"),
-                           model=str(cfg.model) if cfg.model else None, engine=cfg.engine,
-                           model_name=cfg.served_model_name, tensor_parallel_size=rs.tp,
-                           max_batch=rs.max_batch, paced_tokens_per_s=rs.paced_tokens_per_s,
-                           extra={"metrics_port": rs.metrics_port} if rs.metrics_port is not None else {})
+        spec = cfg.replica_spec(name.removeprefix("monoserve-"))
         actor = remote_class().options(
             name=name, lifetime="detached", num_cpus=rs.cpus_per_replica, num_gpus=rs.gpus_per_replica,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),

@@ -41,6 +41,9 @@ class ServeAppArgs(BaseModel):
     tensor_parallel_size: int | None = Field(None, ge=1)
     max_batch: int = Field(1, ge=1, description="Engine slots = Serve max_ongoing_requests per replica.")
     paced_tokens_per_s: float = Field(200.0, gt=0)
+    session_cache_mb: float = Field(1024.0, ge=0, allow_inf_nan=False,
+                                    description="MiB of agent-session KV each engine keeps between turns.")
+    max_sessions: int = Field(64, ge=0, description="Agent sessions each engine keeps between turns; 0 = no reuse.")
     ingress_replicas: int = Field(1, ge=1)
     ingress_cpus: float = Field(1.0, gt=0)
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
@@ -79,7 +82,8 @@ def build_app(args: dict | None = None):
         raise ValueError(f"invalid monoserve Serve app arguments: {problems}") from None
     spec = ReplicaSpec(replica_id="serve", model=a.model, engine=a.engine, model_name=a.served_name,
                        tensor_parallel_size=a.tensor_parallel_size or max(a.gpus_per_replica, 1),
-                       max_batch=a.max_batch, paced_tokens_per_s=a.paced_tokens_per_s)
+                       max_batch=a.max_batch, paced_tokens_per_s=a.paced_tokens_per_s,
+                       session_cache_mb=a.session_cache_mb, max_sessions=a.max_sessions)
     bundle = placement_bundle(a.gpus_per_replica, a.cpus_per_replica)
     replica = EngineReplica.options(
         num_replicas=a.num_replicas,

@@ -15,7 +15,9 @@ answers while a drain waits).
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -36,6 +38,9 @@ class ReplicaSpec:
     tensor_parallel_size: int = 1
     max_batch: int = 1
     paced_tokens_per_s: float = 200.0
+    # agent-session KV kept between turns (engines that support sessions; ignored by the others)
+    session_cache_mb: float = 1024.0
+    max_sessions: int = 64  # 0 = no reuse
     host: str | None = None  # bind address; None = the node's IP as Ray sees it
     port: int = 0
     extra: dict = field(default_factory=dict)  # forwarded to ReplicaServer (e.g. metrics_port)
@@ -45,6 +50,17 @@ class ReplicaSpec:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
         if self.model is None and self.engine != "paced":
             raise ValueError(f"replica {self.replica_id}: model directory is required for engine {self.engine!r}")
+        mb, n = self.session_cache_mb, self.max_sessions
+        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
+            raise ValueError(f"replica {self.replica_id}: session_cache_mb must be a number of MiB >= 0, got {mb!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"replica {self.replica_id}: max_sessions must be an integer >= 0 "
+                             f"(0 turns session reuse off), got {n!r}")
+
+    def session_limits(self) -> dict[str, int]:
+        """The session-cache keywords of `ReferenceEngine.from_pretrained` (and of any engine
+        factory that takes the same names)."""
+        return {"session_cache_bytes": int(self.session_cache_mb * 2**20), "max_sessions": self.max_sessions}
 
 
 def placement_bundle(gpus: int, cpus: float) -> dict[str, float]:
@@ -85,19 +101,34 @@ def make_engine(spec: ReplicaSpec, devices: list[int]):
     if kind == "reference":
         from replicas.reference import ReferenceEngine
 
-        return ReferenceEngine.from_pretrained(spec.model, max_batch=spec.max_batch)
+        return ReferenceEngine.from_pretrained(spec.model, max_batch=spec.max_batch, **spec.session_limits())
     if kind == "monokernel":
         if not devices:
             raise RuntimeError(f"replica {spec.replica_id}: engine 'monokernel' needs GPUs but Ray granted none")
         from replicas.monokernel import MonokernelEngine
 
-        return engines_per_gpu_group(lambda group: MonokernelEngine.from_pretrained(spec.model, devices=group),
-                                     devices, spec.tensor_parallel_size)
+        limits = supported_kwargs(MonokernelEngine.from_pretrained, spec.session_limits())
+        return engines_per_gpu_group(
+            lambda group: MonokernelEngine.from_pretrained(spec.model, devices=group, **limits),
+            devices, spec.tensor_parallel_size)
     from replicas.model import ModelConfig
     from replicas.testing import PacedEngine, tiny_config
 
     config = ModelConfig.from_pretrained(spec.model) if spec.model else tiny_config()
     return PacedEngine(config, tokens_per_s=spec.paced_tokens_per_s, max_batch=spec.max_batch)
+
+
+def supported_kwargs(factory, kwargs: dict) -> dict:
+    """The subset of `kwargs` that `factory` takes (engines without session reuse take none of the
+    session-cache settings: they are dropped rather than failing the replica)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(kwargs)
+    dropped = sorted(set(kwargs) - set(params))
+    if dropped:
+        log.info("engine factory %s does not take %s; ignored", getattr(factory, "__qualname__", factory),
+                 ", ".join(dropped))
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def engines_per_gpu_group(load, devices: list[int], tensor_parallel_size: int):

@@ -62,3 +62,28 @@ def test_overrides_revalidate():
 def test_relative_model_path_is_made_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert ClusterConfig.parse({"model": "ckpt/tiny"}).model == tmp_path / "ckpt" / "tiny"
+
+
+def test_session_cache_sizing_reaches_the_replica_spec(tmp_path):
+    cfg = ClusterConfig.from_yaml(write(tmp_path, "model: /models/llama\n"
+                                                  "replicas: {session_cache_mb: 0.5, max_sessions: 3, metrics_port: 0}\n"))
+    spec = cfg.replica_spec("replica-1")
+    assert (spec.session_cache_mb, spec.max_sessions) == (0.5, 3)
+    assert spec.session_limits() == {"session_cache_bytes": 2**19, "max_sessions": 3}
+    assert (spec.replica_id, spec.model, spec.model_name) == ("replica-1", "/models/llama", "llama")
+    assert spec.tensor_parallel_size == 8 and spec.extra == {"metrics_port": 0}
+    default = ClusterConfig.parse({"model": "m"}).replica_spec("r")
+    assert (default.session_cache_mb, default.max_sessions) == (1024.0, 64)
+
+
+@pytest.mark.parametrize("replicas, expected", [
+    ({"max_sessions": -1}, r"replicas.max_sessions: .*greater than or equal to 0"),
+    ({"max_sessions": 2.5}, r"replicas.max_sessions: .*valid integer"),
+    ({"session_cache_mb": -1}, r"replicas.session_cache_mb: .*greater than or equal to 0"),
+    ({"session_cache_mb": "lots"}, r"replicas.session_cache_mb: .*valid number"),
+    ({"session_cache_mb": float("inf")}, r"replicas.session_cache_mb: .*finite number"),
+    ({"session_cach_mb": 10}, r"replicas.session_cach_mb: unknown setting"),
+])
+def test_bad_session_cache_sizing_names_the_field(replicas, expected):
+    with pytest.raises(ClusterConfigError, match=expected):
+        ClusterConfig.parse({"model": "m", "replicas": replicas})

@@ -38,3 +38,35 @@ def test_makes_reference_and_paced_engines(tiny_checkpoint):
     assert ref.kind == "reference" and ref.max_batch == 2
     paced = make_engine(ReplicaSpec(replica_id="r", model=str(tiny_checkpoint), engine="paced"), [])
     assert paced.kind == "paced" and paced.config.vocab_size == ref.config.vocab_size
+
+
+def test_session_cache_sizing_reaches_the_reference_engine_and_is_ignored_by_others(tiny_checkpoint):
+    spec = ReplicaSpec(replica_id="r", model=str(tiny_checkpoint), engine="reference", session_cache_mb=0.5,
+                       max_sessions=3)
+    stats = make_engine(spec, []).session_stats()
+    assert (stats.max_bytes, stats.max_sessions) == (2**19, 3)
+    off = make_engine(ReplicaSpec(replica_id="r", model=str(tiny_checkpoint), engine="reference", max_sessions=0), [])
+    assert off.session_stats().max_sessions == 0
+    paced = make_engine(ReplicaSpec(replica_id="r", model=None, engine="paced", max_sessions=3), [])
+    assert paced.kind == "paced"  # no session cache: the sizing is ignored, not an error
+
+
+def test_engine_factories_get_only_the_session_settings_they_take():
+    from replicas.actor import supported_kwargs
+
+    limits = {"session_cache_bytes": 1, "max_sessions": 2}
+    assert supported_kwargs(lambda path, devices=(0,): None, limits) == {}  # e.g. today's monokernel
+    assert supported_kwargs(lambda path, max_sessions=64: None, limits) == {"max_sessions": 2}
+    assert supported_kwargs(lambda path, **kw: None, limits) == limits
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_sessions", -1, "max_sessions must be an integer >= 0"),
+    ("max_sessions", 1.5, "max_sessions must be an integer >= 0"),
+    ("session_cache_mb", -0.5, "session_cache_mb must be a number of MiB >= 0"),
+    ("session_cache_mb", float("nan"), "session_cache_mb must be a number of MiB >= 0"),
+    ("session_cache_mb", "1G", "session_cache_mb must be a number of MiB >= 0"),
+])
+def test_spec_rejects_bad_session_cache_sizing_naming_the_field(field, value, expected):
+    with pytest.raises(ValueError, match=f"replica r: {expected}"):
+        ReplicaSpec(replica_id="r", model="/m", engine="reference", **{field: value})

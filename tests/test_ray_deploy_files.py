@@ -76,3 +76,11 @@ def test_build_app_rejects_bad_arguments_by_name():
         build_app({"model": "/m", "tensor_parallel_size": 3})
     with pytest.raises(ValueError, match="gpu_per_replica: Extra inputs are not permitted"):
         build_app({"model": "/m", "gpu_per_replica": 8})
+
+
+def test_serve_app_session_cache_sizing_is_validated_by_name():
+    assert (ServeAppArgs(model="/m", session_cache_mb=0.5, max_sessions=3).max_sessions) == 3
+    with pytest.raises(ValueError, match="max_sessions: Input should be greater than or equal to 0"):
+        build_app({"model": "/m", "max_sessions": -1})
+    with pytest.raises(ValueError, match="session_cache_mb: Input should be a finite number"):
+        build_app({"model": "/m", "session_cache_mb": float("nan")})
