@@ -8,8 +8,8 @@ Per generation: the prompt is prefilled with cuBLAS GEMMs (monokernel_prefill.py
 cooperative launch of csrc/monokernel.cu runs every decode step (LM head, sampling, stop checks,
 all layers) with no host round trip; each sampled token lands in pinned host-mapped memory,
 which the generator polls and yields. Cancel writes a host-mapped flag the kernel reads every
-step. One generation at a time per engine (max_batch = 1); tensor parallelism (devices=[0..N-1])
-and resident small-batch decoding are follow-ups (issues 6 and 9).
+step. One generation at a time per engine (max_batch = 1). devices=[0..N-1] gives the
+tensor-parallel engine (replicas/monokernel_tp.py); resident small-batch decoding is issue 9.
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class MonokernelEngine:
                  layout_options: dict | None = None):
         devices = list(devices)
         if len(devices) != 1:
-            raise ValueError(f"devices={devices}: this build decodes on exactly one GPU; tensor "
-                             "parallelism over several GPUs is not implemented yet (issue 6)")
+            raise ValueError(f"devices={devices}: MonokernelEngine(...) decodes on one GPU; for tensor "
+                             "parallelism use MonokernelEngine.from_pretrained(path, devices=[...]) or "
+                             "replicas.monokernel_tp.TpMonokernelEngine")
         if config.dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"unsupported checkpoint dtype {config.dtype}")
         self.config = config
@@ -74,10 +75,18 @@ class MonokernelEngine:
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
-        import_cupy()  # fail fast with a clear message before reading gigabytes
+        devices = list(devices)
         config = ModelConfig.from_pretrained(path)
+        engine_cls = cls
+        if len(devices) > 1:  # tensor parallelism over the GPUs (replicas/monokernel_tp.py)
+            from replicas.monokernel_tp import TpMonokernelEngine
+            from replicas.tp_shard import check_tp
+
+            check_tp(config, len(devices))  # before reading gigabytes
+            engine_cls = TpMonokernelEngine
+        import_cupy()  # fail fast with a clear message before reading gigabytes
         tensors = load_weights(path, config, dtype="raw", progress=progress)
-        return cls(config, tensors, devices=devices, max_context=max_context, progress=progress)
+        return engine_cls(config, tensors, devices=devices, max_context=max_context, progress=progress)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:

@@ -116,7 +116,8 @@ class GpuModel:
         self.logits1 = cp.zeros(c.vocab_size, cp.float32)
         self.host_tokens = MappedInts(cp, self.max_context)
         self.host_ctrl = MappedInts(cp, L.CTRL_WORDS)
-        self.params_dev = cp.zeros(len(L.PARAM_FIELDS), cp.uint64)
+        self.params_dev = cp.zeros(len(self.layout.param_fields()), cp.uint64)
+        self.tp_params: dict[str, int] = {}  # tp_local, tp_peers, tp_rank (set by monokernel_tp.GpuGroup)
 
     # ---- one launch ------------------------------------------------------------------------
     def launch(self, x_last, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
@@ -163,11 +164,13 @@ class GpuModel:
                 "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
                 "inv_temperature": 1.0 / temperature if temperature > 0 else 1.0, "top_p": top_p,
                 "logits_per_step": self.config.vocab_size if logits is not None else 0,
+                **self.tp_params,
             }
-            missing = {n for n, _ in L.PARAM_FIELDS} - set(ptrs) - set(scalars)
+            fields = lay.param_fields()
+            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
             assert not missing, f"parameter block fields without a value: {missing}"
-            slots = np.zeros(len(L.PARAM_FIELDS), np.uint64)
-            for i, (name, ctype) in enumerate(L.PARAM_FIELDS):
+            slots = np.zeros(len(fields), np.uint64)
+            for i, (name, ctype) in enumerate(fields):
                 if name in ptrs:
                     slots[i] = ptrs[name]
                 elif ctype == "double":

@@ -74,7 +74,11 @@ class ShardedPrefill:
                                                      c0.hidden_size), 0))
             with self.on(0):
                 logits = self.xp.concatenate(shards, axis=1)[:, :self.vocab_size]
-        return [x[-1].copy() for x in xs], logits
+        last = []
+        for r, x in enumerate(xs):
+            with self.on(r):
+                last.append(x[-1].copy())
+        return last, logits
 
     @staticmethod
     def _attention_partial(pf: Prefill, m, n: int, x, cos, sin):

@@ -176,3 +176,12 @@ def test_goldens_sharded_match_transformers(case, n):
     got = sharded_logits(cfg, t, n, ids)
     assert rel(got, sharded_logits(cfg, t, 1, ids)) < FP32_TOL
     assert rel(got, golden["logits"]) < GOLDEN_TOL
+
+
+def test_engine_refuses_an_unsplittable_gpu_count_before_loading(tiny_checkpoint):
+    from replicas.monokernel import MonokernelEngine
+
+    with pytest.raises(TensorParallelError, match="3 GPUs is not supported"):
+        MonokernelEngine.from_pretrained(tiny_checkpoint, devices=[0, 1, 2])
+    with pytest.raises(TensorParallelError, match="do not divide num_attention_heads=4"):
+        MonokernelEngine.from_pretrained(tiny_checkpoint, devices=list(range(8)))
