@@ -121,7 +121,7 @@ class Router:
         t0 = self.clock()
         outcome = "error"
         try:
-            prepared = prepare(req, self.model, self.tokenizer, self.chat_template)
+            prepared = await prepare(req, self.model, self.tokenizer, self.chat_template)
             request_id = req.request_id or uuid.uuid4().hex
             if request_id in self._running:
                 raise RouterError(grpc.StatusCode.ALREADY_EXISTS,

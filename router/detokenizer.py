@@ -9,6 +9,7 @@ sequence at the end becomes U+FFFD), so the concatenated deltas always equal the
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -18,6 +19,9 @@ from tokenizers.decoders import DecodeStream
 # Prompt tokens given to the decoder as context, so the first output token decodes the way it
 # would inside the full sequence (e.g. SentencePiece's leading-space rule).
 _CONTEXT_TOKENS = 8
+# Text at least this long is tokenized off the event loop: `Tokenizer.encode` holds the GIL for
+# its whole run (~1 s per MB), `encode_batch` releases it, so other streams keep flowing.
+OFF_LOOP_CHARS = 16_384
 
 
 class TokenizerError(ValueError):
@@ -70,7 +74,19 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
+                              add_special_tokens)
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` for callers on an event loop: long text is tokenized in a worker thread with
+        the GIL released, so the loop (every other stream) is not stalled."""
+        if len(text) < OFF_LOOP_CHARS:
+            return self.encode(text, add_special_tokens)
+        ids = await asyncio.to_thread(
+            lambda: self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+        return self._with_bos(ids, add_special_tokens)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids

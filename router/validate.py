@@ -33,21 +33,22 @@ class Prepared:
     stops: tuple[str, ...]
 
 
-def prepare(req: inference_pb2.GenerateRequest, model: ModelLimits, tokenizer: TextTokenizer | None,
+async def prepare(req: inference_pb2.GenerateRequest, model: ModelLimits, tokenizer: TextTokenizer | None,
             chat_template=None) -> Prepared:
     if req.model and req.model != model.name:
         raise invalid(f"unknown model {req.model!r}: this router serves {model.name!r} "
                       f"(leave model empty or use one listed by ListModels)")
-    prompt_ids = _prompt_ids(req, tokenizer, chat_template)
+    prompt_ids = await _prompt_ids(req, tokenizer, chat_template)
     if not prompt_ids:
         raise invalid("prompt is empty: give non-empty text, token_ids or chat messages")
+    # the length first: it is O(1), the vocabulary scan of a huge prompt is not
+    if model.max_context and len(prompt_ids) >= model.max_context:
+        raise invalid(f"prompt is {len(prompt_ids)} tokens but the context window is {model.max_context}: "
+                      f"shorten the prompt")
     if model.vocab_size:
         bad = next((t for t in prompt_ids if not 0 <= t < model.vocab_size), None)
         if bad is not None:
             raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {model.vocab_size})")
-    if model.max_context and len(prompt_ids) >= model.max_context:
-        raise invalid(f"prompt is {len(prompt_ids)} tokens but the context window is {model.max_context}: "
-                      f"shorten the prompt")
     if len(req.session_id) > MAX_SESSION_ID_CHARS:
         raise invalid(f"session_id is {len(req.session_id)} characters; use at most {MAX_SESSION_ID_CHARS} "
                       f"(e.g. a UUID per conversation)")
@@ -59,7 +60,7 @@ def prepare(req: inference_pb2.GenerateRequest, model: ModelLimits, tokenizer: T
     return Prepared(prompt_ids, sampling, sampling.max_tokens, stops)
 
 
-def _prompt_ids(req, tokenizer: TextTokenizer | None, chat_template) -> list[int]:
+async def _prompt_ids(req, tokenizer: TextTokenizer | None, chat_template) -> list[int]:
     kind = req.WhichOneof("input")
     if kind is None:
         raise invalid("no prompt: set one of text, token_ids or chat")
@@ -71,7 +72,7 @@ def _prompt_ids(req, tokenizer: TextTokenizer | None, chat_template) -> list[int
     if kind == "text":
         if not req.text:
             raise invalid("prompt text is empty")
-        return tokenizer.encode(req.text)
+        return await tokenizer.encode_async(req.text)
     # chat
     if not req.chat.messages:
         raise invalid("chat has no messages: give at least one")
@@ -92,7 +93,7 @@ def _prompt_ids(req, tokenizer: TextTokenizer | None, chat_template) -> list[int
         text = chat_template.render(messages, add_generation_prompt=add_prompt)
     except ChatTemplateError as e:
         raise invalid(f"chat: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template holds BOS etc.
+    return await tokenizer.encode_async(text, add_special_tokens=False)  # the template holds BOS etc.
 
 
 def _sampling(s: common_pb2.SamplingParams, model: ModelLimits) -> common_pb2.SamplingParams:
