@@ -1,6 +1,6 @@
 """Batch-1 decode benchmark on one GPU: copy-bandwidth roofline, the monokernel, and a peer.
 
-    python bench/decode.py --presets llama-3.2-1b llama-3.1-8b --out $OUT [--no-peer]
+    python bench/decode.py --presets llama-3.2-1b llama-3.1-8b --out $OUT [--no-peer] [--tp 1 2]
 
 In one run: (1) device-to-device copy bandwidth (bytes read + written), the roofline;
 (2) per preset, random bf16 weights generated straight in GPU memory (same shapes as the
@@ -9,6 +9,10 @@ tests), a 32-token prompt and 512 new greedy tokens, median of >= 5 runs: tokens
 achieved GB/s, % of roofline; TTFT for 32/512/2000-token prompts; (3) the peer: Hugging Face
 transformers with a static cache (its compiled path) on the same shapes. Writes decode.json and
 decode.md under --out.
+
+--tp 1 2 [4 8]: each preset at every tensor-parallel size (TP > 1 over GPUs 0..N-1), and for each
+TP > 1 also the timing-only build that skips the in-kernel all-reduces (wrong tokens by design):
+the difference is the all-reduce cost per token (and per all-reduce: 2 per layer).
 """
 
 from __future__ import annotations
@@ -74,16 +78,19 @@ def time_generation(engine, prompt, n_new: int):
 
 
 def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int], options=None,
-                     tensors=None) -> dict:
+                     tensors=None, tp: int = 1) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_tp import TpMonokernelEngine
 
     config = preset_config(preset)
     t = time.perf_counter()
-    engine = MonokernelEngine(config, tensors or random_tensors(cp, config), max_context=4096,
-                              layout_options=options)
+    engine_cls = MonokernelEngine if tp == 1 else TpMonokernelEngine
+    engine = engine_cls(config, tensors or random_tensors(cp, config), devices=list(range(tp)), max_context=4096,
+                        layout_options=options)
     cp.get_default_memory_pool().free_all_blocks()
-    res = {"preset": preset, "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
+    res = {"preset": preset, "tp": tp, "skip_allreduce": bool((options or {}).get("tp_skip_allreduce")),
+           "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
            "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
            "bar_release": engine.gpu.layout.bar_release, "qkv_flags": engine.gpu.layout.qkv_flags,
            "kv_regs": engine.gpu.layout.kv_regs,
@@ -98,8 +105,9 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
         rates.append((count - 1) / dt)
     tok_s = statistics.median(rates)
     lay = engine.gpu.layout
-    kv_avg = 2 * lay.layers * lay.kv_heads * lay.head_dim * 2 * (len(prompt) + n_new / 2)
-    bytes_per_token = lay.stream_bytes_per_token() + kv_avg
+    # all GPUs together (a TP shard's layout describes one GPU; replicated kv heads counted)
+    kv_avg = 2 * lay.layers * lay.kv_heads * lay.head_dim * 2 * (len(prompt) + n_new / 2) * tp
+    bytes_per_token = lay.stream_bytes_per_token() * tp + kv_avg
     res.update(tok_s=round(tok_s, 1), us_per_token=round(1e6 / tok_s, 1), runs=[round(r, 1) for r in rates],
                bytes_per_token=bytes_per_token, achieved_GBps=round(bytes_per_token * tok_s / 1e9, 1))
     ttft = {}
@@ -158,6 +166,34 @@ def bench_peer(preset: str, n_new: int, runs: int) -> dict:
             "runs": [round(r, 1) for r in rates], "warmup_s": round(warm_s, 1)}
 
 
+def bench_tp(cp, preset: str, args, bw: float, results: dict) -> None:
+    """One preset at every --tp size (same random weights), plus the skip-all-reduce builds."""
+    from replicas.checkpoint import preset_config
+
+    config = preset_config(preset)
+    tensors = random_tensors(cp, config)  # on GPU 0; TP engines copy each shard to its GPU
+    first = preset == args.presets[0]
+    for tp in args.tp:
+        for skip in ((False, True) if tp > 1 else (False,)):
+            opts = {"tp_skip_allreduce": True} if skip else None
+            r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if first and not skip else [],
+                                 options=opts, tensors=tensors, tp=tp)
+            r["roofline_tok_s"] = round(tp * bw / r["bytes_per_token"], 1)  # N GPUs' bandwidth
+            r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
+            if skip:
+                full = next(x for x in results["monokernel"]
+                            if x["preset"] == preset and x["tp"] == tp and not x["skip_allreduce"])
+                per_token = 1e6 / full["tok_s"] - 1e6 / r["tok_s"]
+                r["allreduce_us_per_token"] = round(per_token, 1)
+                r["allreduce_us_each"] = round(per_token / (2 * config.num_hidden_layers), 2)
+                full["allreduce_us_per_token"], full["allreduce_us_each"] = (r["allreduce_us_per_token"],
+                                                                             r["allreduce_us_each"])
+            print(json.dumps(r), flush=True)
+            results["monokernel"].append(r)
+    del tensors
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
@@ -167,6 +203,8 @@ def main() -> None:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE:QKVFLAGS:KVREGS e.g. 0:1:0:0:0:0")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes to time per preset, e.g. --tp 1 2 (adds skip-all-reduce builds)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import cupy as cp
@@ -190,11 +228,14 @@ def main() -> None:
             results.setdefault("variants", []).append(v)
         del tensors
     for preset in args.presets:
-        r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [])
-        r["roofline_tok_s"] = round(bw / r["bytes_per_token"], 1)
-        r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
-        print(json.dumps(r), flush=True)
-        results["monokernel"].append(r)
+        if args.tp == [1]:
+            r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [])
+            r["roofline_tok_s"] = round(bw / r["bytes_per_token"], 1)
+            r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
+            print(json.dumps(r), flush=True)
+            results["monokernel"].append(r)
+        else:
+            bench_tp(cp, preset, args, bw, results)
     if args.out:  # save our figures before the (slow, compiling) peer runs
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "decode.json").write_text(json.dumps(results, indent=1))
@@ -207,12 +248,15 @@ def main() -> None:
             print(json.dumps(p), flush=True)
             results["peer"].append(p)
     lines = [f"GPU: {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s (read+write)", "",
-             "| model | monokernel tok/s | µs/token | achieved GB/s | % roofline | roofline tok/s | peer tok/s |",
-             "|---|---|---|---|---|---|---|"]
+             ("| model | TP | monokernel tok/s | µs/token | achieved GB/s | % roofline | roofline tok/s | "
+              "all-reduce µs/token (each) | peer tok/s |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results["monokernel"]:
         peer = next((p.get("tok_s", "error") for p in results["peer"] if p["preset"] == r["preset"]), "-")
-        lines.append(f"| {r['preset']} | {r['tok_s']} | {r['us_per_token']} | {r['achieved_GBps']} | "
-                     f"{r['pct_roofline']} | {r['roofline_tok_s']} | {peer} |")
+        tp = f"{r['tp']}" + (" (no all-reduce)" if r["skip_allreduce"] else "")
+        ar = f"{r['allreduce_us_per_token']} ({r['allreduce_us_each']})" if "allreduce_us_each" in r else "-"
+        lines.append(f"| {r['preset']} | {tp} | {r['tok_s']} | {r['us_per_token']} | {r['achieved_GBps']} | "
+                     f"{r['pct_roofline']} | {r['roofline_tok_s']} | {ar} | {peer} |")
     if results["monokernel"] and results["monokernel"][0].get("ttft_ms"):
         lines.append("")
         lines.append("TTFT (ms, prefill + first token) on " + results["monokernel"][0]["preset"] + ": " +
