@@ -43,11 +43,21 @@ class _Malformed:
         self.error = error
 
 
+# Generate requests over this size are refused with INVALID_ARGUMENT and a message saying why;
+# gRPC itself accepts up to _GRPC_RECEIVE_LIMIT (its own error beyond that is a bare
+# RESOURCE_EXHAUSTED "Received message larger than max").
+MAX_REQUEST_BYTES = 4 << 20
+_GRPC_RECEIVE_LIMIT = 4 * MAX_REQUEST_BYTES
+
+
 def _parse_generate(data: bytes):
+    if len(data) > MAX_REQUEST_BYTES:
+        return _Malformed(f"request is {len(data)} bytes; the limit is {MAX_REQUEST_BYTES} "
+                          f"({MAX_REQUEST_BYTES >> 20} MiB), far more than any context window holds: shorten the prompt")
     try:
         return inference_pb2.GenerateRequest.FromString(data)
     except (DecodeError, ValueError) as e:  # bad wire format, invalid UTF-8 in a string field
-        return _Malformed(str(e) or type(e).__name__)
+        return _Malformed(f"request is not a valid monoserve.v1.GenerateRequest: {str(e) or type(e).__name__}")
 
 
 class _InferenceServicer:
@@ -56,8 +66,7 @@ class _InferenceServicer:
 
     async def generate(self, request, context: grpc.aio.ServicerContext):
         if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request is not a valid monoserve.v1.GenerateRequest: {request.error}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         remaining = context.time_remaining()
         deadline = None if remaining is None else self.router.clock() + remaining
         try:
@@ -214,7 +223,8 @@ class RouterServer:
                              queue_size=self._queue_size, metrics=self.metrics)
         for address in self._initial_replicas:
             self.router.add_replica(address)
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", _GRPC_RECEIVE_LIMIT)])
         port = server.add_insecure_port(f"{self.host}:{self.port}")
         if port == 0:
             raise OSError(f"cannot bind gRPC port {self.host}:{self.port}")

@@ -75,3 +75,14 @@ def test_off_loop_tokenization_gives_the_same_ids(tiny_checkpoint):
     text = ("<s> naïve 日本語 tool_call(x=1)\n\t " * (OFF_LOOP_CHARS // 10))
     for special in (True, False):
         assert asyncio.run(tok.encode_async(text, special)) == tok.encode(text, special)
+
+
+def test_oversized_request_is_invalid_argument_saying_the_limit(stub):
+    """gRPC's own refusal was a bare RESOURCE_EXHAUSTED 'Received message larger than max'."""
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(inference_pb2.GenerateRequest(text="x" * 5_000_000), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "5000005 bytes" in err.value.details() and "4 MiB" in err.value.details()
+    assert "shorten the prompt" in err.value.details()
+    msgs = list(stub.Generate(ids_request(max_tokens=3), timeout=10))  # still serving
+    assert msgs[-1].final.usage.completion_tokens == 3
