@@ -16,7 +16,7 @@ stage() {  # name, seconds, command...
   echo "$name rc=$rc $((SECONDS - t0))s (rc 124 = timed out)" >> "$OUT/summary.txt"
 }
 stage smoke 90 python3 bench/tp_smoke.py --tp 2
-stage gpu_tests 230 python3 -m pytest -q -m gpu tests/test_tp_gpu.py -x --timeout 180 -p no:cacheprovider
+stage gpu_tests 230 python3 -m pytest -q -m gpu tests/test_tp_gpu.py -x --timeout 180 --durations=10 -p no:cacheprovider
 stage bench 240 python3 bench/decode.py --presets llama-3.2-1b qwen3-1.7b llama-3.1-8b --tp 1 2 --runs 3 \
   --new-tokens 256 --ttft --no-peer --out "$OUT"
 cat "$OUT/summary.txt"; tail -5 "$OUT/smoke.log" "$OUT/gpu_tests.log"; cat "$OUT/decode.md" 2>/dev/null
