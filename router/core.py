@@ -178,13 +178,17 @@ class _Stream:
         acquire = asyncio.ensure_future(dispatcher.acquire(self._shape(), self.deadline, exclude,
                                                            admitted=self.admitted))
         aborted = asyncio.ensure_future(self.running.aborted.wait())
+        waited = False
         try:
             await asyncio.wait((acquire, aborted), return_when=asyncio.FIRST_COMPLETED)
+            waited = True
         finally:
             aborted.cancel()
             if not acquire.done():
                 acquire.cancel()
                 await asyncio.gather(acquire, return_exceptions=True)
+            if not waited:  # cancelled, possibly just as a slot was bound to us: hand it back
+                self._give_back(acquire)
             self.queue_s += self.r.clock() - t
             self.r.metrics.queue_wait.observe(self.r.clock() - t)
         return acquire.result() if not self.running.aborted.is_set() else self._give_back(acquire)

@@ -86,3 +86,47 @@ def test_oversized_request_is_invalid_argument_saying_the_limit(stub):
     assert "shorten the prompt" in err.value.details()
     msgs = list(stub.Generate(ids_request(max_tokens=3), timeout=10))  # still serving
     assert msgs[-1].final.usage.completion_tokens == 3
+
+
+@pytest.fixture(scope="module")
+def one_slot_router(tiny_checkpoint):
+    replica = ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=2000, max_context=CONTEXT))
+    replica.start()
+    server = RouterServer([replica.address], model_name="tiny")
+    server.start()
+    server.wait_ready()
+    yield server
+    server.stop()
+    replica.stop(grace=0)
+
+
+def test_cancel_as_the_queued_request_gets_its_slot_does_not_leak_it(one_slot_router):
+    """A client cancelled in the instant its queued request was bound lost the slot for good
+    (the router then thought the replica busy forever). Every interleaving is swept."""
+    import asyncio
+
+    router = one_slot_router.router
+    handle = next(iter(router.pool.replicas.values()))
+
+    async def drain(gen):
+        async for _ in gen:
+            pass
+
+    async def scenario(ticks: int) -> int:
+        holder = router.generate(ids_request(max_tokens=10_000, ignore_eos=True))
+        await holder.__anext__()  # it holds the only slot
+        queued = asyncio.ensure_future(drain(router.generate(ids_request(max_tokens=5))))
+        while router.dispatcher.depth() == 0:
+            await asyncio.sleep(0.001)
+        await holder.aclose()  # frees the slot: the queued request is bound to it...
+        while router.dispatcher.depth() > 0:
+            await asyncio.sleep(0)
+        for _ in range(ticks):  # ...and its client goes away `ticks` loop steps later
+            await asyncio.sleep(0)
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        return handle.router_running
+
+    for ticks in range(8):
+        running = asyncio.run_coroutine_threadsafe(scenario(ticks), one_slot_router._loop).result(30)
+        assert running == 0, f"a slot leaked when the client cancelled {ticks} loop steps after binding"
