@@ -223,7 +223,14 @@ class _Stream:
             context = self.r.model.max_context
             if left <= 0 or (context and len(self.p.prompt_ids) + len(self.sent) >= context):
                 break  # everything was sent before the replica failed, or the window is full: LENGTH
-            handle = await self._acquire(frozenset(exclude))
+            try:
+                handle = await self._acquire(frozenset(exclude))
+            except RouterError as e:  # e.g. the deadline passed while waiting to fail over
+                if e.code != grpc.StatusCode.DEADLINE_EXCEEDED or not self.sent:
+                    raise
+                for response in self._deadline_end(None):
+                    yield response
+                return
             if handle is None:
                 break  # aborted while queued
             self.admitted = True
@@ -251,14 +258,8 @@ class _Stream:
                 exclude.add(handle.address)
                 self.r.metrics.failovers.inc()
             except _DeadlineHit:
-                flush = self._flush_text()
-                if not self.sent:
-                    raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      "deadline passed before the first token") from None
-                if flush:
-                    yield _response(text=flush)
-                self.outcome = "deadline"
-                yield self._final(common_pb2.FINISH_REASON_DEADLINE, handle, None)
+                for response in self._deadline_end(handle):
+                    yield response
                 return
             finally:
                 self.r.dispatcher.release(handle, shape.max_tokens)
@@ -279,6 +280,16 @@ class _Stream:
             reason = common_pb2.FINISH_REASON_LENGTH
         self.outcome = common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         yield self._final(reason, handle, replica_final)
+
+    def _deadline_end(self, handle: ReplicaHandle | None) -> list[inference_pb2.GenerateResponse]:
+        """The deadline passed: the partial output's last text and a Final(DEADLINE), or an error
+        if nothing was sent yet."""
+        if not self.sent:
+            raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the first token")
+        flush = self._flush_text()
+        self.outcome = "deadline"
+        return ([_response(text=flush)] if flush else []) + [self._final(common_pb2.FINISH_REASON_DEADLINE,
+                                                                          handle, None)]
 
     async def _stream_from(self, handle: ReplicaHandle, max_tokens: int):
         """Yield client responses for one replica call, then the ReplicaFinal (if any)."""

@@ -130,3 +130,43 @@ def test_cancel_as_the_queued_request_gets_its_slot_does_not_leak_it(one_slot_ro
     for ticks in range(8):
         running = asyncio.run_coroutine_threadsafe(scenario(ticks), one_slot_router._loop).result(30)
         assert running == 0, f"a slot leaked when the client cancelled {ticks} loop steps after binding"
+
+
+def test_deadline_while_failing_over_keeps_the_tokens_already_sent(tiny_checkpoint):
+    """After tokens were sent, a deadline ends the stream with Final(DEADLINE) (the documented
+    contract) — also when it passes while the request waits for a replica to fail over to; it
+    used to raise DEADLINE_EXCEEDED there, dropping the partial output of an in-process caller."""
+    import asyncio
+
+    steady = ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=500, max_context=CONTEXT))
+    crashing = ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=500, max_context=CONTEXT,
+                                                         fail_after=5))
+    steady.start()
+    crashing.start()
+    server = RouterServer([steady.address], model_name="tiny")
+    server.start()
+    try:
+        server.wait_ready()
+        router = server.router
+
+        async def scenario():
+            occupier = router.generate(ids_request(max_tokens=10_000, ignore_eos=True))
+            await occupier.__anext__()  # the steady replica's only slot is taken
+            router.add_replica(crashing.address)
+            while sum(h.healthy for h in router.pool.replicas.values()) < 2:
+                await asyncio.sleep(0.01)
+            msgs = []
+            async for msg in router.generate(ids_request(max_tokens=100, ignore_eos=True),
+                                             deadline=router.clock() + 1.0):
+                msgs.append(msg)  # 5 tokens from the crashing replica, then a wait for the busy one
+            await occupier.aclose()
+            return msgs
+
+        msgs = asyncio.run_coroutine_threadsafe(scenario(), server._loop).result(30)
+        assert msgs[-1].HasField("final"), msgs[-1]
+        assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_DEADLINE
+        assert sum(len(m.chunk.token_ids) for m in msgs[:-1]) == msgs[-1].final.usage.completion_tokens == 5
+    finally:
+        server.stop()
+        steady.stop(grace=0)
+        crashing.stop(grace=0)
