@@ -64,7 +64,7 @@ class InferenceIngress:
     async def Generate(self, request: inference_pb2.GenerateRequest, grpc_context=None):
         t0 = time.perf_counter()
         try:
-            p = prepare(request, self.limits, self.tokenizer, self.template)
+            p = await prepare(request, self.limits, self.tokenizer, self.template)
             params = sampling_from_proto(p.sampling)
         except RouterError as e:
             _fail(grpc_context, e.code, e.message)
