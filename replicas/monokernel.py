@@ -32,6 +32,7 @@ from replicas.engine import (
     SamplingParams,
     stop_ids,
     validate_prompt,
+    validate_teacher_ids,
 )
 from replicas.model import ModelConfig
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable  # noqa: F401 (re-exported)
@@ -71,7 +72,7 @@ class MonokernelEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
-                        progress: bool | None = None) -> "MonokernelEngine":
+                        progress: bool | None = None) -> MonokernelEngine:
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
@@ -103,14 +104,7 @@ class MonokernelEngine:
     def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
         """Teacher-forced logits [len, V] float32: the first `prefill_len` positions from the
         prefill path, every later one from the decode kernel fed the given tokens."""
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequest("token_ids is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) > self.max_context:
-            raise InvalidRequest(f"{len(ids)} tokens exceed the context window of {self.max_context}")
+        ids = validate_teacher_ids(token_ids, self.config, self.max_context)
         p = max(1, min(prefill_len, len(ids)))
         self._take()
         try:

@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
-from replicas.engine import InvalidRequest
+from replicas.engine import validate_teacher_ids
 from replicas.model import ModelConfig
 from replicas.monokernel import TEACHER_PREFILL, MonokernelEngine
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable, import_cupy
@@ -167,14 +167,7 @@ class TpMonokernelEngine(MonokernelEngine):
         return self.gpu.prefill(list(ids), all_logits=all_logits)
 
     def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequest("token_ids is empty: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise InvalidRequest(f"token id {bad[0]} outside the vocabulary [0, {self.config.vocab_size})")
-        if len(ids) > self.max_context:
-            raise InvalidRequest(f"{len(ids)} tokens exceed the context window of {self.max_context}")
+        ids = validate_teacher_ids(token_ids, self.config, self.max_context)
         p = max(1, min(prefill_len, len(ids)))
         self._take()
         try:
