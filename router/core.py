@@ -304,7 +304,10 @@ class _Stream:
             raise _DeadlineHit()
         if self.running.aborted.is_set():
             return
-        call = handle.stub.Generate(request, timeout=timeout)
+        try:
+            call = handle.stub.Generate(request, timeout=timeout)
+        except grpc.aio.UsageError as e:  # removed without drain (channel closed) after we were bound
+            raise _ReplicaFailed(f"{handle.address}: {e}") from None
         self.running.call = call
         got_final = False
         try:

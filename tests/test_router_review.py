@@ -170,3 +170,53 @@ def test_deadline_while_failing_over_keeps_the_tokens_already_sent(tiny_checkpoi
         server.stop()
         steady.stop(grace=0)
         crashing.stop(grace=0)
+
+
+def test_replica_removed_without_drain_just_after_binding_fails_over(tiny_checkpoint):
+    """A request bound to a replica that was then removed without drain (its channel closed) before
+    the call started escaped as UNKNOWN ('Channel is closed') instead of failing over."""
+    import asyncio
+
+    replicas = [ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=2000, max_context=CONTEXT))
+                for _ in range(2)]
+    for r in replicas:
+        r.start()
+    server = RouterServer(model_name="tiny")
+    server.start()
+    router = server.router
+
+    async def scenario(ticks: int):
+        for r in replicas:
+            if r.address not in router.pool.replicas:
+                router.add_replica(r.address)
+        while sum(h.healthy for h in router.pool.replicas.values()) < 2:
+            await asyncio.sleep(0.01)
+        first = router.generate(ids_request(max_tokens=10_000, ignore_eos=True))
+        await first.__anext__()
+        doomed = next(h for h in router.pool.replicas.values() if h.router_running)
+        second = router.generate(ids_request(max_tokens=10_000, ignore_eos=True))
+        await second.__anext__()  # both replicas busy now
+
+        async def collect():
+            return [m async for m in router.generate(ids_request(max_tokens=5))]
+
+        queued = asyncio.ensure_future(collect())
+        while router.dispatcher.depth() == 0:
+            await asyncio.sleep(0.001)
+        await first.aclose()  # the queued request is bound to `doomed`...
+        while router.dispatcher.depth() > 0:
+            await asyncio.sleep(0)
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        await router.remove_replica(doomed.address, drain=False)  # ...which goes away at once
+        await second.aclose()  # the other replica frees: the request fails over there
+        return await asyncio.wait_for(queued, 10)
+
+    try:
+        for ticks in range(6):
+            msgs = asyncio.run_coroutine_threadsafe(scenario(ticks), server._loop).result(30)
+            assert msgs[-1].final.usage.completion_tokens == 5, f"after {ticks} loop steps: {msgs[-1]}"
+    finally:
+        server.stop()
+        for r in replicas:
+            r.stop(grace=0)
