@@ -216,7 +216,8 @@ class _Stream:
         exclude: set[str] = set()
         replica_final = None
         handle = None
-        for attempt in itertools.count():
+        failures = 0  # replica failures only: a lost race for a slot (_ReplicaBusy) is no failure
+        while True:
             if self.running.aborted.is_set():
                 break
             left = self.p.max_tokens - len(self.sent)
@@ -251,9 +252,10 @@ class _Stream:
             except _ReplicaBusy:
                 continue  # lost a race for its last slot: wait for the next free one
             except _ReplicaFailed as failure:
-                if attempt >= _MAX_FAILOVERS:
+                failures += 1
+                if failures > _MAX_FAILOVERS:
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"gave up after {attempt + 1} replica failures; last: {failure}") from None
+                                      f"gave up after {failures} replica failures; last: {failure}") from None
                 handle.mark_failed(str(failure))
                 exclude.add(handle.address)
                 self.r.metrics.failovers.inc()

@@ -220,3 +220,70 @@ def test_replica_removed_without_drain_just_after_binding_fails_over(tiny_checkp
         server.stop()
         for r in replicas:
             r.stop(grace=0)
+
+
+class _BusyAtFirst(PacedEngine):
+    """Refuses its first `refusals` generations with EngineBusy (the replica answers
+    RESOURCE_EXHAUSTED: the router lost a race for the last slot), then serves."""
+
+    def __init__(self, *args, refusals: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refusals = refusals
+
+    def generate(self, prompt_ids, params):
+        from replicas.engine import EngineBusy
+
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise EngineBusy("slot taken by another router")
+        return super().generate(prompt_ids, params)
+
+
+def test_lost_slot_races_do_not_count_as_replica_failures(tiny_checkpoint, monkeypatch):
+    """Each RESOURCE_EXHAUSTED retry was counted as a failover attempt, so after 8 lost races
+    the first real replica failure gave up with UNAVAILABLE instead of failing over."""
+    import asyncio
+
+    from replicas import server_servicer
+    from replicas.model import ModelConfig
+
+    monkeypatch.setattr(server_servicer, "HEARTBEAT_S", 0.05)  # retries wait for a load report
+
+    config = ModelConfig.from_pretrained(tiny_checkpoint)
+    steady = ReplicaServer(PacedEngine(config, tokens_per_s=2000, max_context=CONTEXT))
+    contended = ReplicaServer(_BusyAtFirst(config, tokens_per_s=2000, max_context=CONTEXT, fail_after=3,
+                                           refusals=8))
+    steady.start()
+    contended.start()
+    server = RouterServer([steady.address], model_name="tiny")
+    server.start()
+    try:
+        server.wait_ready()
+        router = server.router
+
+        async def scenario():
+            holder = router.generate(ids_request(max_tokens=10_000, ignore_eos=True))
+            await holder.__anext__()  # the steady replica is busy: the request goes to the contended one
+            router.add_replica(contended.address)
+            while sum(h.healthy for h in router.pool.replicas.values()) < 2:
+                await asyncio.sleep(0.01)
+            request = asyncio.ensure_future(
+                asyncio.wait_for(_collect(router.generate(ids_request(max_tokens=10))), 20))
+            while not request.done() and not contended.servicer.engine.started:
+                await asyncio.sleep(0.001)  # lost 8 races for its slot, then got it...
+            await asyncio.sleep(0.05)  # ...and it failed after 3 tokens: free the steady replica
+            await holder.aclose()
+            out = await request
+            return out
+
+        msgs = asyncio.run_coroutine_threadsafe(scenario(), server._loop).result(30)
+        assert msgs[-1].final.usage.completion_tokens == 10
+        assert sum(len(m.chunk.token_ids) for m in msgs[:-1]) == 10
+    finally:
+        server.stop()
+        steady.stop(grace=0)
+        contended.stop(grace=0)
+
+
+async def _collect(gen):
+    return [m async for m in gen]
