@@ -57,7 +57,10 @@ async def prepare(req: inference_pb2.GenerateRequest, model: ModelLimits, tokeni
         stops = validate_stops(req.stop)
     except StopStringError as e:
         raise invalid(f"stop: {e}") from None
-    return Prepared(prompt_ids, sampling, sampling.max_tokens, stops)
+    max_tokens = sampling.max_tokens
+    if model.max_context:  # no more than the window leaves room for (admission and routing estimate from it)
+        max_tokens = min(max_tokens, model.max_context - len(prompt_ids))
+    return Prepared(prompt_ids, sampling, max_tokens, stops)
 
 
 async def _prompt_ids(req, tokenizer: TextTokenizer | None, chat_template) -> list[int]:

@@ -287,3 +287,29 @@ def test_lost_slot_races_do_not_count_as_replica_failures(tiny_checkpoint, monke
 
 async def _collect(gen):
     return [m async for m in gen]
+
+
+def test_max_tokens_beyond_the_context_is_not_taken_at_face_value(one_slot_router):
+    """A request may ask for more tokens than its context window leaves room for (it just ends
+    with LENGTH when the window is full). Admission used to estimate its work from max_tokens,
+    so max_tokens=1e6 with a 5 s deadline was refused though it needs ~1 s."""
+    import asyncio
+
+    router = one_slot_router.router
+    handle = next(iter(router.pool.replicas.values()))
+
+    async def scenario():
+        await _collect(router.generate(ids_request(max_tokens=50, ignore_eos=True)))
+        while not (handle.load and handle.load.tpot_ewma_ms > 0 and not handle.router_running):
+            await asyncio.sleep(0.01)  # the replica has measured its speed (~0.5 ms/token)
+        holder = router.generate(ids_request(max_tokens=100, ignore_eos=True))
+        await holder.__anext__()  # busy: the next request goes through admission
+        holding = asyncio.ensure_future(_collect(holder))
+        msgs = await _collect(router.generate(ids_request(max_tokens=1_000_000, ignore_eos=True),
+                                              deadline=router.clock() + 5.0))
+        await holding
+        return msgs
+
+    msgs = asyncio.run_coroutine_threadsafe(scenario(), one_slot_router._loop).result(30)
+    assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert msgs[-1].final.usage.completion_tokens == CONTEXT - 2  # the window filled up
