@@ -121,13 +121,13 @@ class Router:
         t0 = self.clock()
         outcome = "error"
         try:
-            prepared = await prepare(req, self.model, self.tokenizer, self.chat_template)
             request_id = req.request_id or uuid.uuid4().hex
             if request_id in self._running:
                 raise RouterError(grpc.StatusCode.ALREADY_EXISTS,
                                   f"request_id {request_id!r} is already running: use a unique id per request")
-            running = self._running[request_id] = _Running()
+            running = self._running[request_id] = _Running()  # abortable from now on, also while tokenizing
             try:
+                prepared = await prepare(req, self.model, self.tokenizer, self.chat_template)
                 stream = _Stream(self, req, prepared, request_id, running, deadline, t0)
                 # aclosing: a caller that closes us early cancels the replica call now, not at GC
                 async with contextlib.aclosing(stream.run()) as responses:

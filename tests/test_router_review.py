@@ -314,3 +314,35 @@ def test_max_tokens_beyond_the_context_is_not_taken_at_face_value(one_slot_route
     msgs = asyncio.run_coroutine_threadsafe(scenario(), one_slot_router._loop).result(30)
     assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert msgs[-1].final.usage.completion_tokens == CONTEXT - 2  # the window filled up
+
+
+def test_abort_while_the_prompt_is_being_tokenized(tiny_checkpoint):
+    """Abort(request_id) answered found=False while a long prompt was still being tokenized, and
+    the request then ran to the end anyway."""
+    import asyncio
+
+    from router.detokenizer import OFF_LOOP_CHARS
+
+    replica = ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=2000, max_context=65_536))
+    replica.start()
+    server = RouterServer([replica.address], tokenizer=tiny_checkpoint, model_name="tiny")
+    server.start()
+    try:
+        server.wait_ready()
+        router = server.router
+        text = ("a long agent transcript " * OFF_LOOP_CHARS)[:2 * OFF_LOOP_CHARS]  # tokenized off the loop
+
+        async def scenario():
+            request = inference_pb2.GenerateRequest(text=text, request_id="abort-me",
+                                                    sampling=common_pb2.SamplingParams(max_tokens=50))
+            running = asyncio.ensure_future(_collect(router.generate(request)))
+            await asyncio.sleep(0)  # it has started: its prompt is being tokenized in a thread
+            return router.abort("abort-me"), await running
+
+        found, msgs = asyncio.run_coroutine_threadsafe(scenario(), server._loop).result(30)
+        assert found
+        assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+        assert msgs[-1].final.usage.completion_tokens == 0
+    finally:
+        server.stop()
+        replica.stop(grace=0)
