@@ -8,6 +8,9 @@
 #ifndef MK_TP
 #define MK_TP 1  // tensor-parallel GPUs (layout.py emits MK_TP and the MK_TP_* flags only when > 1)
 #endif
+#ifndef MK_FUSED_MLP
+#define MK_FUSED_MLP 0  // gate/up -> down fused, block-local split-K (layout_fused.py; flags only when on)
+#endif
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block
@@ -38,7 +41,12 @@ constexpr int kLenLM = MK_HP;
 constexpr long long kStrideQKV = (long long)kQKVRows * MK_HP;
 constexpr long long kStrideO = (long long)MK_H * MK_QP;
 constexpr long long kStrideGU = (long long)MK_I * 2 * MK_HP;
+#if MK_FUSED_MLP
+constexpr long long kStrideDN = (long long)MK_I * MK_HP;  // block-slice tiles of down^T (mk_fused.cuh)
+static_assert(MK_FX_R * MK_FX_WC == kStreamWarps && MK_FX_WC * MK_FX_M * kChunk == MK_HP, "fused down tiling");
+#else
 constexpr long long kStrideDN = (long long)MK_H * MK_IP;
+#endif
 
 static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024, "block size");
 static_assert(MK_HP % kChunk == 0 && MK_QP % kChunk == 0 && MK_IP % kChunk == 0, "padding");

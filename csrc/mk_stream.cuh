@@ -24,6 +24,23 @@ MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long l
   u1 = units * (gw + 1) / nw;
 }
 
+#if MK_FUSED_MLP
+// This warp's run of the fused down (mirror of replicas/layout_fused.py:warp_down_share): rows
+// [a, a+n) of its block's h slice, chunk columns [col0, col0 + MK_FX_M), element offset `off`.
+struct DownShare { int a, n, col0; long long off; };
+MK_DEVICE DownShare down_share(int gw) {
+  const int b = gw / kStreamWarps, w = gw % kStreamWarps;
+  const int js = (int)((long long)MK_I * b / gridDim.x), je = (int)((long long)MK_I * (b + 1) / gridDim.x);
+  const int nb = je - js, r = w / MK_FX_WC, cw = w % MK_FX_WC;
+  DownShare s;
+  s.a = nb * r / MK_FX_R;
+  s.n = nb * (r + 1) / MK_FX_R - s.a;
+  s.col0 = cw * MK_FX_M;
+  s.off = (long long)(js + s.a) * MK_HP + (long long)s.col0 * s.n * kChunk;
+  return s;
+}
+#endif
+
 struct WeightStream {
   uint4* ring;     // this warp's MK_RING slots of 32 x 16 bytes
   int slot;        // next slot to consume (== next slot to refill)
@@ -39,6 +56,13 @@ struct WeightStream {
       if (mat == MAT_LM) { mat = MAT_QKV; layer = 0; }
       else if (mat == MAT_DN) { if (++layer == MK_L) mat = MAT_LM; else mat = MAT_QKV; }
       else mat++;
+#if MK_FUSED_MLP
+      if (mat == MAT_DN) {
+        const DownShare s = down_share(gw);
+        if (s.n > 0) { ptr = p.w_dn + layer * kStrideDN + s.off; left = (long long)s.n * MK_FX_M; return; }
+        continue;
+      }
+#endif
       const uint16_t* base; long long units, u0, u1; int len;
       mat_info(p, mat, layer, base, units, len);
       warp_range(units, gw, nw, u0, u1);

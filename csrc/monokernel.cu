@@ -15,6 +15,9 @@
 #include "mk_attention.cuh"
 #include "mk_sample.cuh"
 #include "mk_tp.cuh"
+#if MK_FUSED_MLP
+#include "mk_fused.cuh"
+#endif
 
 // x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
 // s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
@@ -86,6 +89,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   unsigned exchanges = 0;  // bulk exchanges with the peer GPUs so far (mk_tp.cuh)
   const int vbase = (int)p.tp_rank * MK_V;  // global id of this GPU's first vocabulary row
 #endif
+#if MK_FUSED_MLP
+  unsigned fx_turn = 0;  // fused MLP phases so far: accumulator fx_turn & 1 is being added to
+#endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
@@ -101,7 +107,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 
   for (int step = 0;; step++) {
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
+#if MK_FUSED_MLP
+    residual_norm_fx(p.xbuf + xi * MK_HP, fx_acc(p, fx_turn - 1), nullptr, p.lnf, s_act, s_red);
+#else
     residual_norm<kSumDN>(p.xbuf + xi * MK_HP, nullptr, MK_DN_SRC(p), nullptr, nullptr, p.lnf, s_act, s_red);
+#endif
     if (blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[0] = p.host_ctrl[MK_CTRL_CANCEL];
     float* logits = p.logits + (long long)step * p.logits_per_step;
     {
@@ -180,7 +190,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       if (layer == 0)
         residual_norm<0>(nullptr, p.embed + (long long)tok * MK_H, nullptr, nullptr, xd, p.ln1, s_act, s_red);
       else
+#if MK_FUSED_MLP
+        residual_norm_fx(xs, fx_acc(p, fx_turn - 1), xd, p.ln1 + layer * MK_H, s_act, s_red);
+#else
         residual_norm<kSumDN>(xs, nullptr, MK_DN_SRC(p), nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
+#endif
       xi ^= 1;
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
@@ -206,6 +220,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 
       combine_attention(p, pos, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
+#if MK_FUSED_MLP
+      fx_zero(fx_acc(p, fx_turn - 1));  // read before the QKV barrier; next added to after O's
+#endif
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(3);
@@ -216,6 +233,19 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       residual_norm<kSumO>(p.xbuf + xi * MK_HP, nullptr, MK_O_SRC(p), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
                             p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
       xi ^= 1;
+#if MK_FUSED_MLP
+      {  // gate/up into this block's h slice, then its down columns: no barrier in between
+        const long long js = (long long)MK_I * blockIdx.x / gridDim.x;  // the block's first gate/up unit
+        run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
+          s_act[kFxH + (int)(u - js)] = g / (1.f + __expf(-g)) * up;
+        });
+        fused_down(st, p, s_act, fx_acc(p, fx_turn));
+        fx_turn++;
+      }
+      MK_ARRIVE();
+      grid_barrier<kBarrierThread>(p.bar_count, epoch);
+      MK_MARK(4);
+#else
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
         p.h_buf[u] = g / (1.f + __expf(-g)) * up;
       });
@@ -231,6 +261,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #if MK_TP > 1
       tp_all_reduce<MK_S_DN>(p, p.dn_part, MK_TP_OFF_RECV_DN, exchanges);
 #endif
+#endif  // MK_FUSED_MLP
     }
   }
   if (prof_on)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from replicas import layout_fused
 from replicas.model import ModelConfig
 
 CHUNK = 256  # bf16 elements one warp loads at once (32 lanes x 16 bytes)
@@ -147,6 +148,7 @@ class KernelLayout:
     tp: int = 1  # tensor-parallel GPUs; the other fields then describe this GPU's shard (tp_shard.py)
     vocab_total: int = 0  # the full vocabulary (tp > 1; `vocab` is then the padded per-GPU slice)
     tp_skip_allreduce: bool = False  # timing only: skip the all-reduces (wrong output by design)
+    fused_mlp: bool = False  # gate/up -> down without a grid barrier (block-local split-K; layout_fused.py)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -155,7 +157,7 @@ class KernelLayout:
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
-                    tp_skip_allreduce: bool = False) -> KernelLayout:
+                    tp_skip_allreduce: bool = False, fused_mlp: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -174,8 +176,8 @@ class KernelLayout:
                    evict_first=bool(evict_first), control_warp=bool(control_warp),
                    bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
-                   tp_skip_allreduce=bool(tp_skip_allreduce))
-        if tp_error := base._tp_error():
+                   tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp))
+        if tp_error := base._tp_error() or layout_fused.fused_error(base):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
@@ -237,7 +239,8 @@ class KernelLayout:
     @property
     def act_floats(self) -> int:
         combine = self.qp + 2 * self.heads * MAX_ATTN_SPLITS  # O-input staging + split weights
-        return max(self.hp, self.qp, self.ip, self.attn_floats, combine)
+        fused = layout_fused.act_floats(self) if self.fused_mlp else 0
+        return max(self.hp, self.qp, self.ip, self.attn_floats, combine, fused)
 
     @property
     def smem_fixed(self) -> int:
@@ -264,7 +267,7 @@ class KernelLayout:
             "w_qkv": (L, self.qkv_rows, self.hp),
             "w_o": (L, self.hidden, self.qp),
             "w_gu": (L, self.inter, 2, self.hp),
-            "w_dn": (L, self.hidden, self.ip),
+            "w_dn": (L, self.inter * self.hp) if self.fused_mlp else (L, self.hidden, self.ip),
             "w_lm": (self.vocab, self.hp),
         }
 
@@ -316,6 +319,10 @@ class KernelLayout:
             "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
             "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
+        if self.fused_mlp:  # emitted only when on: default builds keep their flags (and cubins)
+            r, wc, m = layout_fused.down_geometry(self.hp, self.warps_per_block)
+            defs.update({"MK_FUSED_MLP": 1, "MK_FX_R": r, "MK_FX_WC": wc, "MK_FX_M": m,
+                         "MK_FX_PART": layout_fused.part_floats(self), "MK_FX_SHIFT": layout_fused.FX_SHIFT})
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
@@ -331,7 +338,7 @@ class KernelLayout:
             "qkv_part": self.qkv_rows * s["qkv"],
             "o_part": self.hidden * s["o"],
             "h_buf": self.ip,
-            "dn_part": self.hidden * s["dn"],
+            "dn_part": 4 * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,
             "attn_m": self.kv_heads * nsplit * self.group,
             "attn_l": self.kv_heads * nsplit * self.group,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from replicas.layout import KernelLayout
+from replicas.layout_fused import pack_down_fused
 from replicas.model import ModelConfig
 
 Array = Any  # numpy.ndarray or cupy.ndarray
@@ -69,7 +70,10 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
         out["w_o"][n, :, :Q] = big(a + "o_proj.weight")
         out["w_gu"][n, :, 0, :H] = big(p + "mlp.gate_proj.weight")
         out["w_gu"][n, :, 1, :H] = big(p + "mlp.up_proj.weight")
-        out["w_dn"][n, :, :I] = big(p + "mlp.down_proj.weight")
+        if lay.fused_mlp:  # block-slice tiles of down^T (replicas/layout_fused.py)
+            out["w_dn"][n] = pack_down_fused(xp, lay, big(p + "mlp.down_proj.weight"))
+        else:
+            out["w_dn"][n, :, :I] = big(p + "mlp.down_proj.weight")
         small["ln1"][n] = to_f32(xp, tensors[p + "input_layernorm.weight"])
         small["ln2"][n] = to_f32(xp, tensors[p + "post_attention_layernorm.weight"])
         if c.qkv_bias:

@@ -1,0 +1,88 @@
+// Fused gate/up -> down (MK_FUSED_MLP, layout option `fused_mlp`; see replicas/layout_fused.py):
+// each block turns its gate/up units into its slice of h in shared memory, multiplies it by the
+// matching columns of down (its own packed run per warp), and adds the block's partial hidden
+// vector as int64 fixed point into one of two accumulators (integer adds commute: deterministic
+// whatever the arrival order). The next phase's prologue reads the accumulator after the barrier;
+// the O phase of the following layer zeroes it again. One grid barrier per layer fewer.
+#pragma once
+#include "mk_common.cuh"
+#include "mk_layout.cuh"
+#include "mk_stream.cuh"
+
+constexpr int kFxH = MK_FX_PART > MK_HP ? MK_FX_PART : MK_HP;  // s_act offset of the h slice
+constexpr float kFxScale = 4294967296.f;                        // 2^MK_FX_SHIFT
+constexpr float kFxInv = 1.f / 4294967296.f;
+static_assert(MK_FX_SHIFT == 32, "kFxScale assumes 32 fraction bits");
+
+// The two accumulators live in dn_part (long long [2][MK_HP]); `turn` counts fused phases.
+MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn) {
+  return reinterpret_cast<long long*>(p.dn_part) + (turn & 1u) * MK_HP;
+}
+
+// residual_norm<S> of monokernel.cu with the fixed-point accumulator as the partial source.
+MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* xdst, const float* w,
+                                float* s_act, float* s_red) {
+  constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
+  float v[kIt];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kIt; k++) {
+    const int i = threadIdx.x + k * MK_THREADS;
+    float x = 0.f;
+    if (i < MK_H) x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(acc + i)) * kFxInv;
+    v[k] = x;
+    ss += x * x;
+  }
+  const float r = rsqrtf(block_sum(ss, s_red) / MK_H + MK_EPS);
+#pragma unroll
+  for (int k = 0; k < kIt; k++) {
+    const int i = threadIdx.x + k * MK_THREADS;
+    if (i < MK_HP) {
+      if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
+      s_act[i] = i < MK_H ? v[k] * r * w[i] : 0.f;
+    }
+  }
+  __syncthreads();
+}
+
+// Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.
+MK_DEVICE void fx_zero(long long* acc) {
+  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+}
+
+// After run_phase<MAT_GU> stored this block's h slice at s_act + kFxH: the down half.
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, long long* acc) {
+  const float* s_h = s_act + kFxH;
+  __syncthreads();  // h slice complete; the normed x under the partials is dead
+  if (st.gw >= 0) {
+    const DownShare s = down_share(st.gw);
+    float* part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + st.lane * 8;
+    for (int k = 0; k < MK_FX_M; k++) {
+      float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+      for (int j = 0; j < s.n; j++) {
+        const uint4 w = st.take();
+        const float h = s_h[s.a + j];
+        a[0] = fmaf(h, __uint_as_float(w.x << 16), a[0]);
+        a[1] = fmaf(h, __uint_as_float(w.x & 0xffff0000u), a[1]);
+        a[2] = fmaf(h, __uint_as_float(w.y << 16), a[2]);
+        a[3] = fmaf(h, __uint_as_float(w.y & 0xffff0000u), a[3]);
+        a[4] = fmaf(h, __uint_as_float(w.z << 16), a[4]);
+        a[5] = fmaf(h, __uint_as_float(w.z & 0xffff0000u), a[5]);
+        a[6] = fmaf(h, __uint_as_float(w.w << 16), a[6]);
+        a[7] = fmaf(h, __uint_as_float(w.w & 0xffff0000u), a[7]);
+        st.release(p);
+      }
+      float* dst = part + (s.col0 + k) * kChunk;
+      *reinterpret_cast<float4*>(dst) = make_float4(a[0], a[1], a[2], a[3]);
+      *reinterpret_cast<float4*>(dst + 4) = make_float4(a[4], a[5], a[6], a[7]);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
+    float v = 0.f;
+#pragma unroll
+    for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
+    atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
+  }
+}
