@@ -198,11 +198,18 @@ class _Stream:
             self.r.dispatcher.release(acquire.result(), self._shape().max_tokens)
         return None
 
-    def _text(self, ids) -> str:
+    def _text(self, ids: list[int]) -> tuple[list[int], str]:
+        """The ids to send and their text; ids end at the token that completed a stop string (a
+        chunk may hold more: tokens pile up behind a slow reader)."""
         if self.detok is None:
-            return ""
-        text = "".join(self.detok.step(t) for t in ids)
-        return self.stops.feed(text) if self.stops else text
+            return ids, ""
+        pieces = []
+        for i, t in enumerate(ids):
+            piece = self.detok.step(t)
+            pieces.append(self.stops.feed(piece) if self.stops else piece)
+            if self.stops and self.stops.done:
+                return ids[:i + 1], "".join(pieces)
+        return ids, "".join(pieces)
 
     def _flush_text(self) -> str:
         if self.detok is None:
@@ -315,7 +322,7 @@ class _Stream:
         try:
             async for msg in call:
                 if msg.HasField("chunk"):
-                    ids = list(msg.chunk.token_ids)
+                    ids, text = self._text(list(msg.chunk.token_ids))
                     if not ids:
                         continue
                     self.sent.extend(ids)
@@ -324,7 +331,7 @@ class _Stream:
                         self.t_first = now
                         self.r.metrics.ttft.observe(now - self.t0)
                     self.t_last = now
-                    yield _response(ids, self._text(ids))
+                    yield _response(ids, text)
                 else:
                     got_final = True
                     yield msg.final

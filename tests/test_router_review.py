@@ -346,3 +346,30 @@ def test_abort_while_the_prompt_is_being_tokenized(tiny_checkpoint):
     finally:
         server.stop()
         replica.stop(grace=0)
+
+
+def test_no_token_ids_past_a_stop_string(tiny_checkpoint):
+    """A replica sends the tokens that piled up behind a slow reader in one chunk; when a stop
+    string ended inside such a chunk, the tokens after it still went out as token_ids and were
+    counted in usage (how many depended on timing). Now the output ends at the stop's token."""
+    from router.detokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_pretrained(tiny_checkpoint)
+    replica = ReplicaServer(PacedEngine.from_pretrained(tiny_checkpoint, tokens_per_s=1e6, max_context=CONTEXT))
+    replica.start()
+    server = RouterServer([replica.address], tokenizer=tiny_checkpoint, model_name="tiny")
+    server.start()
+    try:
+        server.wait_ready()
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(server.address))
+        request = inference_pb2.GenerateRequest(text="hello naïve world", stop=["e"],
+                                                sampling=common_pb2.SamplingParams(max_tokens=500, ignore_eos=True))
+        for _ in range(5):
+            msgs = list(stub.Generate(request, timeout=10))
+            ids = [t for m in msgs[:-1] for t in m.chunk.token_ids]
+            assert msgs[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
+            assert "e" in tok.decode(ids) and "e" not in tok.decode(ids[:-1]), ids
+            assert msgs[-1].final.usage.completion_tokens == len(ids) == 15
+    finally:
+        server.stop()
+        replica.stop(grace=0)
