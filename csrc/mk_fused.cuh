@@ -13,6 +13,7 @@ constexpr int kFxH = MK_FX_PART > MK_HP ? MK_FX_PART : MK_HP;  // s_act offset o
 constexpr float kFxScale = 4294967296.f;                        // 2^MK_FX_SHIFT
 constexpr float kFxInv = 1.f / 4294967296.f;
 static_assert(MK_FX_SHIFT == 32, "kFxScale assumes 32 fraction bits");
+static_assert(MK_TP == 1, "fused_mlp is single-GPU only (layout_fused.fused_error)");
 
 // The two accumulators live in dn_part (long long [2][MK_HP]); `turn` counts fused phases.
 MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn) {

@@ -117,7 +117,7 @@ class Prefill:
                 x += w["o_bias"][n]
             gu = self._linear(self._rms(x, w["ln2"][n]), w["w_gu"][n].reshape(2 * I, -1), H).reshape(T, I, 2)
             g, u = gu[..., 0], gu[..., 1]
-            x += self._linear(g / (1.0 + cp.exp(-g)) * u, w["w_dn"][n], I)
+            x += self._linear(g / (1.0 + cp.exp(-g)) * u, w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
         logits = None
         if all_logits:
             logits = self._linear(self._rms(x, w["lnf"]), w["w_lm"], H)

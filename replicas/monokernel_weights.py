@@ -58,6 +58,8 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     out["w_o"] = xp.zeros(shapes["w_o"], xp.uint16)
     out["w_gu"] = xp.zeros(shapes["w_gu"], xp.uint16)
     out["w_dn"] = xp.zeros(shapes["w_dn"], xp.uint16)
+    if lay.fused_mlp:
+        out["w_dn_prefill"] = xp.zeros((L, H, lay.ip), xp.uint16)
     small = {k: xp.zeros(s, xp.float32) for k, s in {
         "ln1": (L, H), "ln2": (L, H), "lnf": (H,), "qkv_bias": (L, lay.qkv_rows), "o_bias": (L, H),
         "q_norm": (L, D), "k_norm": (L, D)}.items()}
@@ -70,8 +72,10 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
         out["w_o"][n, :, :Q] = big(a + "o_proj.weight")
         out["w_gu"][n, :, 0, :H] = big(p + "mlp.gate_proj.weight")
         out["w_gu"][n, :, 1, :H] = big(p + "mlp.up_proj.weight")
-        if lay.fused_mlp:  # block-slice tiles of down^T (replicas/layout_fused.py)
-            out["w_dn"][n] = pack_down_fused(xp, lay, big(p + "mlp.down_proj.weight"))
+        if lay.fused_mlp:  # block-slice tiles of down^T (replicas/layout_fused.py) for the kernel,
+            dn = big(p + "mlp.down_proj.weight")  # plain rows for the prefill's GEMM
+            out["w_dn"][n] = pack_down_fused(xp, lay, dn)
+            out["w_dn_prefill"][n, :, :I] = dn
         else:
             out["w_dn"][n, :, :I] = big(p + "mlp.down_proj.weight")
         small["ln1"][n] = to_f32(xp, tensors[p + "input_layernorm.weight"])

@@ -81,6 +81,25 @@ def test_simulated_fused_mlp_matches_the_reference_engine(tiny_checkpoint, sms):
     assert worst < 1e-5, worst  # fp32 reordering + 2^-32 fixed point: far below the 2e-2 budget
 
 
+def test_prefill_keeps_plain_down_rows_under_fused_mlp(tiny_checkpoint):
+    """The prompt's GEMMs read w_dn_prefill (plain rows), so prefill is unchanged by the option."""
+    import types
+
+    from replicas.monokernel_prefill import Prefill
+    from replicas.monokernel_weights import rope_tables
+
+    cfg = preset_config("tiny")
+    lay = KernelLayout.from_config(cfg, max_ctx=64, num_sms=132, fused_mlp=True)
+    m = types.SimpleNamespace(config=cfg, weights=pack_weights(np, lay, cfg, load_weights(tiny_checkpoint, cfg, dtype="raw")))
+    m.rope_cos, m.rope_sin = rope_tables(cfg, 64)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, 64, cfg.head_dim)
+    m.k_cache, m.v_cache = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 24).tolist()
+    _, logits = Prefill(m, np).run(ids, all_logits=True)
+    ref = ReferenceEngine.from_pretrained(tiny_checkpoint).forward_logits(ids)
+    assert np.max(np.abs(logits - ref)) / np.max(np.abs(ref)) < 5e-3
+
+
 def test_bad_combinations_are_refused_clearly():
     c = preset_config("tiny")
     with pytest.raises(LayoutError, match="single-GPU only"):
