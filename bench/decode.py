@@ -93,7 +93,7 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
            "l2_budget_MB": engine.gpu.layout.l2_budget >> 20,
            "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
            "bar_release": engine.gpu.layout.bar_release, "qkv_flags": engine.gpu.layout.qkv_flags,
-           "kv_regs": engine.gpu.layout.kv_regs,
+           "kv_regs": engine.gpu.layout.kv_regs, "fused_mlp": engine.gpu.layout.fused_mlp,
            "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
@@ -194,6 +194,43 @@ def bench_tp(cp, preset: str, args, bw: float, results: dict) -> None:
     cp.get_default_memory_pool().free_all_blocks()
 
 
+def bench_ab(cp, args, bw: float, results: dict) -> None:
+    """Default build vs each --ab layout option on every preset, same random weights, alternating
+    A B A B so drift hits both; writes ab.md. tok/s is the median over both rounds' runs."""
+    from replicas.checkpoint import preset_config
+
+    lines = ["| model | layout | tok/s | µs/token | % roofline | Δ vs default | per-layer µs (qkv/attn/o/gu/dn) |",
+             "|---|---|---|---|---|---|---|"]
+    for preset in args.presets:
+        tensors = random_tensors(cp, preset_config(preset))
+        builds = [("default", None)] + [(name, {name: True}) for name in args.ab]
+        got: dict[str, list] = {name: [] for name, _ in builds}
+        for _ in range(2):
+            for name, opts in builds:
+                r = bench_monokernel(cp, preset, args.runs, args.new_tokens, [], options=opts, tensors=tensors)
+                r["layout"] = name
+                print(json.dumps(r), flush=True)
+                results.setdefault("ab", []).append(r)
+                got[name].append(r)
+        base = None
+        for name, _ in builds:
+            rs = got[name]
+            tok_s = statistics.median([x for r in rs for x in r["runs"]])
+            base = base or tok_s
+            ph = rs[-1]["phase_us"]
+            per_layer = "/".join(f"{ph[k]:.1f}" for k in ("qkv", "attention", "o_proj", "gate_up", "down"))
+            lines.append(f"| {preset} | {name} | {tok_s:.1f} | {1e6 / tok_s:.1f} | "
+                         f"{100 * tok_s * rs[0]['bytes_per_token'] / bw:.1f} | {100 * (tok_s / base - 1):+.1f}% | {per_layer} |")
+        del tensors
+        cp.get_default_memory_pool().free_all_blocks()
+    table = "\n".join(lines)
+    print(table, flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "ab.md").write_text(f"copy bandwidth {bw / 1e12:.2f} TB/s\n\n" + table + "\n")
+        (Path(args.out) / "ab.json").write_text(json.dumps(results.get("ab", []), indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["llama-3.2-1b", "llama-3.1-8b"])
@@ -205,14 +242,28 @@ def main() -> None:
                     help="extra layouts to time on the first preset, for tuning: L2MB:EVICT:CTRLWARP:BARRELEASE:QKVFLAGS:KVREGS e.g. 0:1:0:0:0:0")
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
                     help="tensor-parallel sizes to time per preset, e.g. --tp 1 2 (adds skip-all-reduce builds)")
+    ap.add_argument("--ab", nargs="+", default=[],
+                    help="A/B only: boolean layout options to time against the default build on every preset, "
+                         "e.g. --ab fused_mlp (writes ab.md/ab.json under --out; skips the main table and peers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ab:
+        import inspect
+
+        from replicas.layout import KernelLayout
+
+        known = {n for n, v in inspect.signature(KernelLayout.from_config).parameters.items() if isinstance(v.default, bool)}
+        if bad := [n for n in args.ab if n not in known]:
+            ap.error(f"--ab {' '.join(bad)}: not a boolean layout option; choose from {', '.join(sorted(known))}")
     import cupy as cp
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     bw = copy_bandwidth(cp)
     print(f"GPU {gpu}; copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"gpu": gpu, "copy_TBps": round(bw / 1e12, 3), "monokernel": [], "peer": []}
+    if args.ab:
+        bench_ab(cp, args, bw, results)
+        return
     if args.variants:
         from replicas.checkpoint import preset_config
 

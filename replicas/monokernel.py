@@ -72,7 +72,8 @@ class MonokernelEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
-                        progress: bool | None = None) -> MonokernelEngine:
+                        progress: bool | None = None, layout_options: dict | None = None) -> MonokernelEngine:
+        """layout_options: extra KernelLayout.from_config options (tuning variants, e.g. fused_mlp=True)."""
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
@@ -87,7 +88,8 @@ class MonokernelEngine:
             engine_cls = TpMonokernelEngine
         import_cupy()  # fail fast with a clear message before reading gigabytes
         tensors = load_weights(path, config, dtype="raw", progress=progress)
-        return engine_cls(config, tensors, devices=devices, max_context=max_context, progress=progress)
+        return engine_cls(config, tensors, devices=devices, max_context=max_context, progress=progress,
+                          layout_options=layout_options)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:

@@ -3,9 +3,13 @@ numpy reference engine, greedy decoding, seeded sampling, stops, cancel, limits.
 
 Run on the GPU machine:  python -m pytest -q -m gpu tests/test_monokernel_gpu.py
 (needs CuPy, torch and transformers; deselected in CI by the `gpu` marker).
+MK_TEST_LAYOUT=fused_mlp (comma-separated KernelLayout boolean options) runs every test on that
+layout variant instead of the default build.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 TOL = 2e-2  # max |Δ| / max |ref| over all positions and the whole vocabulary
 POSITIONS = 288  # 16 through the prefill, 272 through the decode kernel
+LAYOUT = {name.strip(): True for name in os.environ.get("MK_TEST_LAYOUT", "").split(",") if name.strip()}
 
 
 def rel(a, b) -> float:
@@ -38,7 +43,9 @@ def model(request, tmp_path_factory):
     from replicas.monokernel import MonokernelEngine
 
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
-    return path, MonokernelEngine.from_pretrained(path, max_context=1024)
+    engine = MonokernelEngine.from_pretrained(path, max_context=1024, layout_options=LAYOUT)
+    assert all(getattr(engine.gpu.layout, k) for k in LAYOUT), LAYOUT  # the variant really is under test
+    return path, engine
 
 
 def test_teacher_forced_logits_match_transformers_and_reference(model):
