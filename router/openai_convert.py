@@ -62,9 +62,10 @@ def completion_to_generate(req: CompletionRequest, request_id: str, model: str) 
     return g
 
 
-def chat_to_generate(req: ChatCompletionRequest, request_id: str, model: str, tokenizer, chat_template,
+async def chat_to_generate(req: ChatCompletionRequest, request_id: str, model: str, tokenizer, chat_template,
                      max_context: int | None) -> inference_pb2.GenerateRequest:
-    """Render with the chat template, tokenize (no extra special tokens: the template has them)."""
+    """Render with the chat template, tokenize (no extra special tokens: the template has them).
+    Async because long prompts are tokenized off the event loop (other streams keep flowing)."""
     if tokenizer is None or chat_template is None:
         raise OpenAIRequestError("this router was started without a checkpoint directory (--model), so it has no "
                                  "tokenizer or chat template: use /v1/completions with token ids, or restart the "
@@ -76,7 +77,7 @@ def chat_to_generate(req: ChatCompletionRequest, request_id: str, model: str, to
                                     **(req.chat_template_kwargs or {}))
     except ChatTemplateError as e:
         raise OpenAIRequestError(str(e), "messages") from None
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = await tokenizer.encode_async(text, add_special_tokens=False)
     if not ids:
         raise OpenAIRequestError("the chat template rendered these messages to an empty prompt", "messages")
     limit = req.output_limit

@@ -102,8 +102,8 @@ class OpenAIApp:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if chat:
                 limits = self.router.model
-                greq = convert.chat_to_generate(req, rid, req.model, self.router.tokenizer,
-                                                self.router.chat_template, limits.max_context)
+                greq = await convert.chat_to_generate(req, rid, req.model, self.router.tokenizer,
+                                                      self.router.chat_template, limits.max_context)
             else:
                 greq = convert.completion_to_generate(req, rid, req.model)
             greq.session_id = self._session_id(request, req)
