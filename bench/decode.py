@@ -207,7 +207,11 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
         got: dict[str, list] = {name: [] for name, _ in builds}
         for _ in range(2):
             for name, opts in builds:
-                r = bench_monokernel(cp, preset, args.runs, args.new_tokens, [], options=opts, tensors=tensors)
+                try:
+                    r = bench_monokernel(cp, preset, args.runs, args.new_tokens, [], options=opts, tensors=tensors)
+                except Exception as e:  # a broken variant must not hide the default's figures
+                    print(json.dumps({"preset": preset, "layout": name, "error": repr(e)[:500]}), flush=True)
+                    continue
                 r["layout"] = name
                 print(json.dumps(r), flush=True)
                 results.setdefault("ab", []).append(r)
@@ -215,6 +219,9 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
         base = None
         for name, _ in builds:
             rs = got[name]
+            if not rs:
+                lines.append(f"| {preset} | {name} | failed (see ab.log) | | | | |")
+                continue
             tok_s = statistics.median([x for r in rs for x in r["runs"]])
             base = base or tok_s
             ph = rs[-1]["phase_us"]
