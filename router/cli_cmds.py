@@ -34,6 +34,9 @@ def register(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--queue-size", type=int, default=64,
                    help="requests that may wait for a free replica before RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a replica not ready this long after it was added counts as ejected: requests stop "
+                        "waiting for it (it is still retried and admitted when it comes up; default 10)")
     p.set_defaults(func=run_router)
 
 
@@ -44,9 +47,11 @@ def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.queue_size < 0:
         return _fail("--queue-size must be >= 0")
+    if not args.connect_timeout > 0:
+        return _fail(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
     server = RouterServer(args.replica, host=args.host, port=args.port, http_port=args.http_port,
                           metrics_port=args.metrics_port, tokenizer=args.model, model_name=args.model_name,
-                          queue_size=args.queue_size)
+                          queue_size=args.queue_size, connect_timeout_s=args.connect_timeout)
     try:
         server.start()
     except TokenizerError as e:

@@ -32,7 +32,7 @@ from router.detokenizer import TextTokenizer
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.policy import RequestShape
-from router.pool import ReplicaHandle, ReplicaPool
+from router.pool import DEFAULT_CONNECT_TIMEOUT_S, ReplicaHandle, ReplicaPool
 from router.queue import Dispatcher
 from router.stop_strings import StopMatcher
 from router.validate import ModelLimits, prepare
@@ -61,13 +61,14 @@ def _response(chunk_ids=(), text="") -> inference_pb2.GenerateResponse:
 class Router:
     def __init__(self, *, tokenizer: TextTokenizer | None = None, chat_template=None, model_name: str = "",
                  queue_size: int = 64, metrics: RouterMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self._model_name = model_name
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
-        self.pool = ReplicaPool(self._on_pool_change, clock)
+        self.pool = ReplicaPool(self._on_pool_change, clock, connect_timeout_s)
         self.dispatcher = Dispatcher(self.pool, queue_size, self.metrics, clock)
         self._running: dict[str, _Running] = {}
         for state, name in _STATE_NAMES.items():  # computed when scraped, not on every change

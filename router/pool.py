@@ -6,7 +6,10 @@ For every replica two server-streaming calls stay open (no polling):
 A replica is eligible when both streams are up, it reports healthy and SERVING, and neither it
 nor the router is draining it. A failed stream or a failed call ejects it at once; it is
 re-admitted as soon as both streams are back and healthy (the watch calls use wait_for_ready,
-so they resume when gRPC's own reconnection succeeds).
+so they resume when gRPC's own reconnection succeeds). A replica that has not reported once
+within `connect_timeout_s` of being added (a mistyped address, a replica that died first) counts
+as ejected rather than "connecting, worth waiting for": requests fail fast with UNAVAILABLE; its
+watches keep trying, and its first healthy report admits it.
 
 Every change calls `on_change()`, which the dispatcher uses to hand free slots to waiters.
 Everything here runs on the router's event loop (single-threaded: no locks).
@@ -42,6 +45,7 @@ CHANNEL_OPTIONS = (
 # Pause before re-opening a watch that failed while the connection was up (a replica bug, not
 # a restart): keeps a broken replica from spinning the loop. Not on any request's path.
 _WATCH_RETRY_S = 1.0
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 MAX_SESSIONS = 100_000  # session affinity entries kept (least recently used dropped first)
 
 
@@ -52,8 +56,11 @@ def _ms(value: float) -> float | None:
 class ReplicaHandle:
     """The router's view of one replica."""
 
-    def __init__(self, address: str, on_change: Callable[[], None], clock: Callable[[], float]):
+    def __init__(self, address: str, on_change: Callable[[], None], clock: Callable[[], float],
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         self.address = address
+        self.connect_timeout_s = connect_timeout_s
+        self.connect_timed_out = False  # never reported within connect_timeout_s of being added
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = replica_pb2_grpc.ReplicaStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -73,12 +80,29 @@ class ReplicaHandle:
         self.idle = asyncio.Event()  # set when router_running drops to 0 (for drain)
         self.idle.set()
         self._tasks: list[asyncio.Task] = []
+        self._connect_timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch_load(), name=f"load:{self.address}"),
                        asyncio.create_task(self._watch_health(), name=f"health:{self.address}")]
+        self._connect_timer = asyncio.get_running_loop().call_later(self.connect_timeout_s, self._connect_expired)
+
+    def _connect_expired(self) -> None:
+        if self.load is None:
+            self.connect_timed_out = True
+            self.last_error = (f"not ready {self.connect_timeout_s:g} s after it was added: is the address "
+                               f"right and the replica running? (still retrying)")
+            log.warning("replica %s: %s", self.address, self.last_error)
+            self._on_change()  # waiters that were waiting only for it fail now
+
+    @property
+    def connecting(self) -> bool:
+        """Never contacted yet, and still within its connect timeout (worth waiting for)."""
+        return self.load is None and not self.failed and not self.connect_timed_out
 
     async def close(self) -> None:
+        if self._connect_timer is not None:
+            self._connect_timer.cancel()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -121,7 +145,7 @@ class ReplicaHandle:
             return admin_pb2.REPLICA_STATE_DRAINING
         if self.healthy:
             return admin_pb2.REPLICA_STATE_READY
-        if self.load is None and not self.failed:
+        if self.connecting:
             return admin_pb2.REPLICA_STATE_CONNECTING
         return admin_pb2.REPLICA_STATE_EJECTED
 
@@ -198,8 +222,12 @@ class ReplicaHandle:
 class ReplicaPool:
     """All replicas by address. Runs on the router's event loop."""
 
-    def __init__(self, on_change: Callable[[], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, on_change: Callable[[], None], clock: Callable[[], float] = time.monotonic,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
+        if not connect_timeout_s > 0:
+            raise ValueError(f"connect timeout must be > 0 seconds, got {connect_timeout_s}")
         self._on_change = on_change
+        self.connect_timeout_s = connect_timeout_s
         self._clock = clock
         self.replicas: dict[str, ReplicaHandle] = {}
         # Session affinity is learnt from where the router sent each session last (replicas do not
@@ -229,7 +257,7 @@ class ReplicaPool:
                               f"replica address {address!r} is not host:port (e.g. 127.0.0.1:50051)")
         if address in self.replicas:
             raise RouterError(grpc.StatusCode.ALREADY_EXISTS, f"replica {address} is already in the pool")
-        handle = ReplicaHandle(address, self._on_change, self._clock)
+        handle = ReplicaHandle(address, self._on_change, self._clock, self.connect_timeout_s)
         self.replicas[address] = handle
         handle.start()
         return handle
@@ -261,12 +289,21 @@ class ReplicaPool:
         return any(h.healthy and not h.draining for a, h in self.replicas.items() if a not in exclude)
 
     def could_serve(self, exclude=()) -> bool:
-        """Some replica serves now, or is still connecting for the first time (worth waiting for).
+        """Some replica serves now (maybe busy), or is connecting for the first time within its
+        connect timeout (worth waiting for).
 
         When every replica is ejected or draining, requests fail fast with UNAVAILABLE instead of
         waiting an unknown time for one to come back."""
-        return any(not h.draining and (h.healthy or (h.load is None and not h.failed))
+        return any(not h.draining and (h.healthy or h.connecting)
                    for a, h in self.replicas.items() if a not in exclude)
+
+    def describe(self) -> str:
+        """Every replica and its state, for error messages: 'a:1 ejected (why), b:2 ready'."""
+        parts = []
+        for h in list(self.replicas.values()):
+            state = admin_pb2.ReplicaState.Name(h.admin_state()).removeprefix("REPLICA_STATE_").lower()
+            parts.append(f"{h.address} {state}" + (f" ({h.last_error})" if h.last_error and not h.healthy else ""))
+        return "; ".join(parts) or "none in the pool"
 
     def count_by_state(self) -> dict[int, int]:
         counts: dict[int, int] = {}

@@ -26,8 +26,10 @@ from router.policy import RequestShape, estimate_wait_s, pick_replica
 from router.pool import ReplicaHandle, ReplicaPool
 
 
-_NO_REPLICA = ("no healthy replica can serve this request now (none in the pool, or all failed or "
-               "draining): retry later, or add replicas (`monoserve router --replica ADDR`, RouterAdmin.AddReplica)")
+def _no_replica(pool: ReplicaPool) -> RouterError:
+    return RouterError(grpc.StatusCode.UNAVAILABLE,
+                       f"no healthy replica can serve this request now (replicas: {pool.describe()}): retry "
+                       f"later, or add replicas (`monoserve router --replica ADDR`, RouterAdmin.AddReplica)")
 
 
 @dataclass(eq=False)
@@ -67,7 +69,7 @@ class Dispatcher:
         if handle is not None:
             return handle
         if not self.pool.could_serve(exclude):
-            raise RouterError(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA)
+            raise _no_replica(self.pool)
         if not admitted:
             self._admit(shape, deadline)
         waiter = _Waiter(shape, exclude)
@@ -115,7 +117,7 @@ class Dispatcher:
                 changed = True
             elif not self.pool.could_serve(waiter.exclude):
                 self._queue.remove(waiter)
-                waiter.future.set_exception(RouterError(grpc.StatusCode.UNAVAILABLE, _NO_REPLICA))
+                waiter.future.set_exception(_no_replica(self.pool))
                 changed = True
         if changed:
             self._queued_changed()

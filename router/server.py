@@ -32,6 +32,7 @@ from router.core import Router
 from router.detokenizer import TextTokenizer
 from router.errors import RouterError
 from router.metrics import RouterMetrics
+from router.pool import DEFAULT_CONNECT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +123,17 @@ class _AdminServicer(admin_pb2_grpc.RouterAdminServicer):
 class RouterServer:
     def __init__(self, replicas: Iterable[str] = (), host: str = "127.0.0.1", port: int = 0,
                  http_port: int | None = None, metrics_port: int | None = None,
-                 tokenizer: str | Path | None = None, model_name: str = "", queue_size: int = 64):
+                 tokenizer: str | Path | None = None, model_name: str = "", queue_size: int = 64,
+                 connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
+        if not connect_timeout_s > 0:
+            raise ValueError(f"connect_timeout_s must be > 0 seconds (how long a replica may take to come "
+                             f"up before requests stop waiting for it), got {connect_timeout_s}")
         self.host, self.port, self.http_port, self.metrics_port = host, port, http_port, metrics_port
         self._initial_replicas = list(replicas)
         self._tokenizer_dir = tokenizer
         self._model_name = model_name
         self._queue_size = queue_size
+        self._connect_timeout_s = connect_timeout_s
         self.metrics = RouterMetrics()
         self.router: Router | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -220,7 +226,8 @@ class RouterServer:
 
     async def _start(self, tokenizer, template) -> int:
         self.router = Router(tokenizer=tokenizer, chat_template=template, model_name=self._model_name,
-                             queue_size=self._queue_size, metrics=self.metrics)
+                             queue_size=self._queue_size, metrics=self.metrics,
+                             connect_timeout_s=self._connect_timeout_s)
         for address in self._initial_replicas:
             self.router.add_replica(address)
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),

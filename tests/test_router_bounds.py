@@ -1,0 +1,93 @@
+"""Bounds on how long the router waits: for a replica that never comes up, and after replicas
+refuse for lack of a slot. Real loopback gRPC, PacedEngine replicas."""
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from monoserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, inference_pb2, inference_pb2_grpc
+
+from replicas.server import ReplicaServer
+from replicas.testing import PacedEngine
+from router.server import RouterServer
+
+
+def request(ids=(5, 6, 7), max_tokens=10):
+    return inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=list(ids)),
+                                         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_replica_that_never_comes_up_fails_requests_fast_and_is_admitted_when_it_does():
+    """A mistyped --replica counted as 'connecting, worth waiting for' for ever: a request
+    without a deadline hung, one with a deadline waited until it."""
+    port = unused_port()
+    dead = f"127.0.0.1:{port}"
+    router = RouterServer([dead], connect_timeout_s=0.5)
+    router.start()
+    replica = None
+    try:
+        with grpc.insecure_channel(router.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            t0 = time.perf_counter()  # sent while the replica may still come up: waits for it, then fails
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request(), timeout=10))
+            waited = time.perf_counter() - t0
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+            assert dead in err.value.details() and "ejected" in err.value.details()
+            assert "not ready 0.5 s after it was added" in err.value.details()
+            assert 0.3 < waited < 2.0, waited
+            t0 = time.perf_counter()  # from now on: at once
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request(), timeout=10))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.perf_counter() - t0 < 0.3
+            admin = admin_pb2_grpc.RouterAdminStub(channel)
+            [status] = admin.ListReplicas(admin_pb2.ListReplicasRequest()).replicas
+            assert status.state == admin_pb2.REPLICA_STATE_EJECTED
+
+            replica = ReplicaServer(PacedEngine(tokens_per_s=2000), port=port)  # it comes up after all
+            replica.start()
+            router.wait_ready(timeout=5)
+            msgs = list(stub.Generate(request(max_tokens=4), timeout=10))
+            assert msgs[-1].final.usage.completion_tokens == 4
+    finally:
+        router.stop()
+        if replica is not None:
+            replica.stop(grace=0)
+
+
+def test_requests_queued_for_a_busy_replica_keep_waiting_when_another_never_comes_up():
+    busy = ReplicaServer(PacedEngine(tokens_per_s=200))  # one slot
+    busy.start()
+    router = RouterServer([busy.address], connect_timeout_s=0.2)
+    router.start()
+    try:
+        router.wait_ready()
+        router.add_replica(f"127.0.0.1:{unused_port()}")  # never comes up
+        with grpc.insecure_channel(router.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            holder = stub.Generate(request(max_tokens=120))  # holds the only slot ~0.6 s
+            next(holder)
+            out = {}
+            queued = threading.Thread(target=lambda: out.update(msgs=list(stub.Generate(request(max_tokens=3),
+                                                                                         timeout=10))))
+            queued.start()
+            queued.join()
+            assert out["msgs"][-1].final.usage.completion_tokens == 3  # waited past the connect timeout
+            assert list(holder)[-1].final.usage.completion_tokens == 120
+    finally:
+        router.stop()
+        busy.stop(grace=0)
+
+
+def test_connect_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="connect_timeout_s must be > 0"):
+        RouterServer([], connect_timeout_s=0)
