@@ -7,6 +7,8 @@
 #   3. TP gpu tests (tests/test_tp_gpu.py)                                           both GPUs
 #   4. TP benchmark at TP=2 (+ no-all-reduce build); the TP=1 figures come from stage 2's default
 # Every stage runs under `timeout`, cut further so the whole run ends by $DEADLINE seconds.
+# $OUT gets 8 files (the device tool returns at most 8): summary.txt (stages, topology, ab.md and
+# decode.md tables), the five stage logs, ab.json and decode.json.
 # Run from the repository root with `.whl` carried (scripts/fetch_device_wheels.sh makes it).
 set -u
 : "${OUT:?set OUT}"
@@ -14,7 +16,9 @@ DEADLINE=${DEADLINE:-580}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 git log --oneline -1 > "$OUT/summary.txt" 2>/dev/null
-nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
+RES=/tmp/mk_results; mkdir -p "$RES"  # decode.py's outputs; the jsons are copied to $OUT at the end
+# pytest-timeout may be missing on the device (the stage `timeout` bounds the run either way)
+PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 180"
 stage() {  # name, seconds, command... (env assignments go before `stage`)
   local name=$1 secs=$2; shift 2
   local left=$((DEADLINE - SECONDS - 5))
@@ -25,18 +29,19 @@ stage() {  # name, seconds, command... (env assignments go before `stage`)
   local rc=$?
   echo "$name rc=$rc $((SECONDS - t0))s of ${secs}s (rc 124 = timed out)" >> "$OUT/summary.txt"
 }
-PYTEST="python3 -m pytest -q -m gpu -x --timeout 180 --durations=10 -p no:cacheprovider"
+PYTEST="python3 -m pytest -v -m gpu -x $PT --durations=10 -p no:cacheprovider"
 
 stage tp_smoke 75 python3 bench/tp_smoke.py --tp 2
 CUDA_VISIBLE_DEVICES=0 stage ab 230 python3 bench/decode.py --presets llama-3.2-1b llama-3.1-8b \
-  --ab fused_mlp --runs 3 --new-tokens 256 --out "$OUT" &
+  --ab fused_mlp --runs 3 --new-tokens 256 --out "$RES" &
 CUDA_VISIBLE_DEVICES=1 MK_TEST_LAYOUT=fused_mlp stage fused_gpu_tests 230 $PYTEST tests/test_monokernel_gpu.py &
 wait
 stage tp_gpu_tests 140 $PYTEST tests/test_tp_gpu.py
 stage tp_bench 120 python3 bench/decode.py --presets llama-3.2-1b llama-3.1-8b --tp 2 --runs 3 \
-  --new-tokens 256 --ttft 2000 --no-peer --out "$OUT"
+  --new-tokens 256 --ttft 2000 --no-peer --out "$RES"
 
-echo "total ${SECONDS}s" >> "$OUT/summary.txt"
+cp "$RES/ab.json" "$RES/decode.json" "$OUT/" 2>/dev/null
+{ echo "total ${SECONDS}s"; echo; cat "$RES/ab.md" 2>/dev/null; echo; cat "$RES/decode.md" 2>/dev/null
+  echo; nvidia-smi topo -m 2>&1; } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 tail -4 "$OUT/tp_smoke.log" "$OUT/fused_gpu_tests.log" "$OUT/tp_gpu_tests.log" 2>/dev/null
-cat "$OUT/ab.md" "$OUT/decode.md" 2>/dev/null
