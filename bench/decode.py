@@ -78,7 +78,8 @@ def time_generation(engine, prompt, n_new: int):
 
 
 def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int], options=None,
-                     tensors=None, tp: int = 1) -> dict:
+                     tensors=None, tp: int = 1, keep_tokens: int = 0) -> dict:
+    """keep_tokens > 0: also record that many greedy tokens (res["tokens"]) to compare builds."""
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_tp import TpMonokernelEngine
@@ -99,6 +100,10 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
     prompt = list(range(100, 132))
     time_generation(engine, prompt, 64)  # warm-up
+    if keep_tokens:
+        from replicas.engine import SamplingParams
+
+        res["tokens"] = list(engine.generate(prompt, SamplingParams(max_tokens=keep_tokens, ignore_eos=True)))
     rates = []
     for _ in range(runs):
         dt, count, _ = time_generation(engine, prompt, n_new)
@@ -194,13 +199,18 @@ def bench_tp(cp, preset: str, args, bw: float, results: dict) -> None:
     cp.get_default_memory_pool().free_all_blocks()
 
 
+def same_prefix(a: list, b: list) -> int:
+    """Steps before the first token that differs (greedy decoding diverges for good after one)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def bench_ab(cp, args, bw: float, results: dict) -> None:
     """Default build vs each --ab layout option on every preset, same random weights, alternating
     A B A B so drift hits both; writes ab.md. tok/s is the median over both rounds' runs."""
     from replicas.checkpoint import preset_config
 
-    lines = ["| model | layout | tok/s | µs/token | % roofline | Δ vs default | per-layer µs (qkv/attn/o/gu/dn) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | layout | tok/s | µs/token | % roofline | Δ vs default | per-layer µs (qkv/attn/o/gu/dn) | "
+             "greedy steps equal to default's |", "|---|---|---|---|---|---|---|---|"]
     for preset in args.presets:
         tensors = random_tensors(cp, preset_config(preset))
         builds = [("default", None)] + [(name, {name: True}) for name in args.ab]
@@ -208,7 +218,8 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
         for _ in range(2):
             for name, opts in builds:
                 try:
-                    r = bench_monokernel(cp, preset, args.runs, args.new_tokens, [], options=opts, tensors=tensors)
+                    r = bench_monokernel(cp, preset, args.runs, args.new_tokens, [], options=opts, tensors=tensors,
+                                         keep_tokens=128)
                 except Exception as e:  # a broken variant must not hide the default's figures
                     print(json.dumps({"preset": preset, "layout": name, "error": repr(e)[:500]}), flush=True)
                     continue
@@ -217,17 +228,19 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
                 results.setdefault("ab", []).append(r)
                 got[name].append(r)
         base = None
+        ref_tokens = got["default"][0]["tokens"] if got["default"] else []
         for name, _ in builds:
             rs = got[name]
             if not rs:
-                lines.append(f"| {preset} | {name} | failed (see ab.log) | | | | |")
+                lines.append(f"| {preset} | {name} | failed (see ab.log) | | | | | |")
                 continue
             tok_s = statistics.median([x for r in rs for x in r["runs"]])
             base = base or tok_s
             ph = rs[-1]["phase_us"]
             per_layer = "/".join(f"{ph[k]:.1f}" for k in ("qkv", "attention", "o_proj", "gate_up", "down"))
             lines.append(f"| {preset} | {name} | {tok_s:.1f} | {1e6 / tok_s:.1f} | "
-                         f"{100 * tok_s * rs[0]['bytes_per_token'] / bw:.1f} | {100 * (tok_s / base - 1):+.1f}% | {per_layer} |")
+                         f"{100 * tok_s * rs[0]['bytes_per_token'] / bw:.1f} | {100 * (tok_s / base - 1):+.1f}% | {per_layer} | "
+                         f"{same_prefix(ref_tokens, rs[0]['tokens'])}/{len(ref_tokens)} |")
         del tensors
         cp.get_default_memory_pool().free_all_blocks()
     table = "\n".join(lines)
