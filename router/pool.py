@@ -46,6 +46,11 @@ CHANNEL_OPTIONS = (
 # a restart): keeps a broken replica from spinning the loop. Not on any request's path.
 _WATCH_RETRY_S = 1.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# After a replica refused for lack of a slot, its free slots are not trusted until its next load
+# report or this re-check (the replica's pushback, within these bounds): the report showing the
+# slot the refusal freed usually arrives *before* the refusal, and the next one may be a 2 s
+# heartbeat away. A replica that keeps refusing is bounded per request by the router core.
+BUSY_RECHECK_S = (0.01, 0.05, 0.25)  # (min, without pushback, max)
 MAX_SESSIONS = 100_000  # session affinity entries kept (least recently used dropped first)
 
 
@@ -81,6 +86,7 @@ class ReplicaHandle:
         self.idle.set()
         self._tasks: list[asyncio.Task] = []
         self._connect_timer: asyncio.TimerHandle | None = None
+        self._busy_recheck: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch_load(), name=f"load:{self.address}"),
@@ -101,8 +107,9 @@ class ReplicaHandle:
         return self.load is None and not self.failed and not self.connect_timed_out
 
     async def close(self) -> None:
-        if self._connect_timer is not None:
-            self._connect_timer.cancel()
+        for timer in (self._connect_timer, self._busy_recheck):
+            if timer is not None:
+                timer.cancel()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -161,6 +168,22 @@ class ReplicaHandle:
         self.failed = True
         self.last_error = error
         self._on_change()
+
+    def refused_busy(self, pushback_s: float | None) -> None:
+        """It refused a request for lack of a slot: count it full until it reports again or a
+        short re-check passes, whichever comes first."""
+        self.full_until_report = True
+        if self._busy_recheck is not None:
+            self._busy_recheck.cancel()
+        low, default, high = BUSY_RECHECK_S
+        delay = min(max(pushback_s if pushback_s is not None else default, low), high)
+        self._busy_recheck = asyncio.get_running_loop().call_later(delay, self._recheck_slots)
+
+    def _recheck_slots(self) -> None:
+        self._busy_recheck = None
+        if self.full_until_report:
+            self.full_until_report = False  # back to its latest report (which may say full)
+            self._on_change()
 
     # -- the two watch streams ---------------------------------------------------------------
 

@@ -91,3 +91,54 @@ def test_requests_queued_for_a_busy_replica_keep_waiting_when_another_never_come
 def test_connect_timeout_must_be_positive():
     with pytest.raises(ValueError, match="connect_timeout_s must be > 0"):
         RouterServer([], connect_timeout_s=0)
+
+
+class _Refusing(PacedEngine):
+    """Refuses its first `refusals` generations with EngineBusy (its replica answers
+    RESOURCE_EXHAUSTED though its load reports show a free slot), then serves."""
+
+    def __init__(self, *args, refusals: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refusals = self.refused = refusals
+
+    def generate(self, prompt_ids, params):
+        from replicas.engine import EngineBusy
+
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise EngineBusy("slot taken by another router")
+        return super().generate(prompt_ids, params)
+
+
+@pytest.fixture
+def refusing_router():
+    made = []
+
+    def make(refusals: int, **router_kw):
+        replica = ReplicaServer(_Refusing(tokens_per_s=2000, refusals=refusals))
+        replica.start()
+        router = RouterServer([replica.address], **router_kw)
+        router.start()
+        router.wait_ready()
+        channel = grpc.insecure_channel(router.address)
+        made.append((router, replica, channel))
+        return router, replica, inference_pb2_grpc.InferenceStub(channel)
+
+    yield make
+    for router, replica, channel in made:
+        channel.close()
+        router.stop()
+        replica.stop(grace=0)
+
+
+def test_a_busy_refusal_is_retried_promptly_not_at_the_next_heartbeat(refusing_router):
+    """The load report showing the freed slot arrives before the refusal itself, so the router
+    waited for the next one: the 2 s WatchLoad heartbeat."""
+    _, replica, stub = refusing_router(refusals=2)
+    t0 = time.perf_counter()
+    msgs = list(stub.Generate(request(max_tokens=4), timeout=10))
+    took = time.perf_counter() - t0
+    assert msgs[-1].final.usage.completion_tokens == 4
+    assert replica.servicer.engine.refusals == 0  # it was refused twice, then served
+    print(f"two busy refusals, then 4 tokens: {took * 1e3:.0f} ms")
+    assert took < 0.5, f"two busy refusals cost {took:.2f} s"
