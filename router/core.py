@@ -41,6 +41,10 @@ from router.validate import ModelLimits, prepare
 _FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                    grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.DATA_LOSS}
 _MAX_FAILOVERS = 8
+# Refusals for lack of a slot from one replica, after which a request stops trying it. Each retry
+# follows a load report or re-check saying a slot is free, so this many in a row means its slot
+# accounting disagrees with its engine (or other routers win every race for it).
+MAX_BUSY_REFUSALS = 10
 _STATE_NAMES = {admin_pb2.REPLICA_STATE_CONNECTING: "connecting", admin_pb2.REPLICA_STATE_READY: "ready",
                 admin_pb2.REPLICA_STATE_EJECTED: "ejected", admin_pb2.REPLICA_STATE_DRAINING: "draining"}
 _counter = itertools.count()
@@ -225,6 +229,7 @@ class _Stream:
         replica_final = None
         handle = None
         failures = 0  # replica failures only: a lost race for a slot (_ReplicaBusy) is no failure
+        busy: dict[str, int] = {}  # address -> its refusals for lack of a slot
         while True:
             if self.running.aborted.is_set():
                 break
@@ -257,8 +262,16 @@ class _Stream:
                 finally:
                     await stream.aclose()  # cancels the replica call if it is still running
                 break
-            except _ReplicaBusy:
-                continue  # lost a race for its last slot: wait for the next free one
+            except _ReplicaBusy as refusal:  # lost a race for its last slot: wait for the next free one
+                refusals = busy[handle.address] = busy.get(handle.address, 0) + 1
+                if refusals >= MAX_BUSY_REFUSALS:
+                    exclude.add(handle.address)  # it keeps refusing: only the others from now on
+                    if not self.r.pool.could_serve(exclude):
+                        raise RouterError(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"replica {handle.address} refused this request {refusals} times for lack of a "
+                            f"free slot although it reported one, and no other replica can take it: retry "
+                            f"later or add replicas", retry_after_s=refusal.pushback_s or 1.0) from None
             except _ReplicaFailed as failure:
                 failures += 1
                 if failures > _MAX_FAILOVERS:
@@ -350,8 +363,9 @@ class _Stream:
             if code == grpc.StatusCode.CANCELLED and self.running.aborted.is_set():
                 return
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only ever before the first token
-                handle.refused_busy(_pushback_s(e))  # raced another client for its last slot
-                raise _ReplicaBusy() from None
+                pushback = _pushback_s(e)
+                handle.refused_busy(pushback)  # raced another client for its last slot
+                raise _ReplicaBusy(pushback) from None
             if code in _FAILOVER_CODES:
                 raise _ReplicaFailed(f"{handle.address}: {code.name}: {e.details()}") from None
             raise RouterError(code, e.details() or code.name) from None
@@ -403,4 +417,6 @@ class _DeadlineHit(Exception):
 
 
 class _ReplicaBusy(Exception):
-    pass
+    def __init__(self, pushback_s: float | None):
+        super().__init__(pushback_s)
+        self.pushback_s = pushback_s

@@ -99,13 +99,15 @@ class _Refusing(PacedEngine):
 
     def __init__(self, *args, refusals: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.refusals = self.refused = refusals
+        self.refusals = refusals
+        self.refused = 0
 
     def generate(self, prompt_ids, params):
         from replicas.engine import EngineBusy
 
         if self.refusals > 0:
             self.refusals -= 1
+            self.refused += 1
             raise EngineBusy("slot taken by another router")
         return super().generate(prompt_ids, params)
 
@@ -114,10 +116,12 @@ class _Refusing(PacedEngine):
 def refusing_router():
     made = []
 
-    def make(refusals: int, **router_kw):
+    def make(refusals: int, first=None):
+        """A replica that refuses `refusals` times, and a router in front of it, or only of `first`
+        if given (the test adds the refusing one when it wants)."""
         replica = ReplicaServer(_Refusing(tokens_per_s=2000, refusals=refusals))
         replica.start()
-        router = RouterServer([replica.address], **router_kw)
+        router = RouterServer([first.address] if first else [replica.address])
         router.start()
         router.wait_ready()
         channel = grpc.insecure_channel(router.address)
@@ -142,3 +146,42 @@ def test_a_busy_refusal_is_retried_promptly_not_at_the_next_heartbeat(refusing_r
     assert replica.servicer.engine.refusals == 0  # it was refused twice, then served
     print(f"two busy refusals, then 4 tokens: {took * 1e3:.0f} ms")
     assert took < 0.5, f"two busy refusals cost {took:.2f} s"
+
+
+def test_a_replica_that_keeps_refusing_is_given_up_with_resource_exhausted(refusing_router):
+    """Busy refusals were retried without limit: for ever without a deadline."""
+    from router.core import MAX_BUSY_REFUSALS
+
+    router, replica, stub = refusing_router(refusals=10**9)
+    t0 = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request(), timeout=10))
+    took = time.perf_counter() - t0
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
+    assert replica.address in err.value.details() and f"{MAX_BUSY_REFUSALS} times" in err.value.details()
+    assert dict(err.value.trailing_metadata())["grpc-retry-pushback-ms"] == "1000"
+    assert replica.servicer.engine.refused == MAX_BUSY_REFUSALS
+    print(f"gave up after {MAX_BUSY_REFUSALS} refusals in {took * 1e3:.0f} ms")
+    assert took < 2.0
+    assert router.router.pool.replicas[replica.address].healthy  # busy is no failure: not ejected
+
+
+def test_after_its_refusals_a_request_goes_to_another_replica(refusing_router):
+    from router.core import MAX_BUSY_REFUSALS
+
+    good = ReplicaServer(PacedEngine(tokens_per_s=200))  # one slot
+    good.start()
+    try:
+        router, refusing, stub = refusing_router(refusals=10**9, first=good)
+        holder = stub.Generate(request(max_tokens=400))  # holds the good replica's slot ~2 s
+        next(holder)
+        router.add_replica(refusing.address)
+        router.wait_ready(2)
+        msgs = list(stub.Generate(request(max_tokens=5), timeout=10))  # idle: the refusing one first
+        assert msgs[-1].final.usage.completion_tokens == 5
+        assert good.servicer.engine.started == 2 and refusing.servicer.engine.started == 0  # served by the good one
+        assert refusing.servicer.engine.refused == MAX_BUSY_REFUSALS
+        assert list(holder)[-1].final.usage.completion_tokens == 400
+        assert router.metrics.registry.get_sample_value("monoserve_router_failovers_total") == 0
+    finally:
+        good.stop(grace=0)
