@@ -185,3 +185,19 @@ def test_after_its_refusals_a_request_goes_to_another_replica(refusing_router):
         assert router.metrics.registry.get_sample_value("monoserve_router_failovers_total") == 0
     finally:
         good.stop(grace=0)
+
+
+def test_http_clients_get_503_naming_the_replica_that_never_came_up(tiny_checkpoint):
+    import httpx
+
+    dead = f"127.0.0.1:{unused_port()}"
+    router = RouterServer([dead], http_port=0, tokenizer=tiny_checkpoint, model_name="tiny", connect_timeout_s=0.3)
+    router.start()
+    try:
+        r = httpx.post(f"http://127.0.0.1:{router.http_port}/v1/completions",
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable_error"
+        assert f"{dead} ejected" in r.json()["error"]["message"]
+    finally:
+        router.stop()

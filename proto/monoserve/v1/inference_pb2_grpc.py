@@ -61,9 +61,11 @@ class InferenceServicer:
         The call's gRPC deadline is the request deadline (it travels to the replica). Cancelling the
         call stops the generation within one token. Errors: INVALID_ARGUMENT (bad request, including
         an unknown model or bytes that are not a GenerateRequest; message says what to fix),
-        RESOURCE_EXHAUSTED (router queue full, or the deadline cannot be met given the queue; retry
-        after the pushback in the "grpc-retry-pushback-ms" trailer), DEADLINE_EXCEEDED,
-        UNAVAILABLE (no healthy replica), ALREADY_EXISTS (request_id already running).
+        RESOURCE_EXHAUSTED (router queue full, the deadline cannot be met given the queue, or the
+        only replicas that could take it kept refusing for lack of a slot; retry after the pushback
+        in the "grpc-retry-pushback-ms" trailer), DEADLINE_EXCEEDED, UNAVAILABLE (no healthy
+        replica, nor one still connecting within the router's connect timeout; the message lists
+        the replicas and their states), ALREADY_EXISTS (request_id already running).
         Deadline: if it passes before the first token the call ends with DEADLINE_EXCEEDED. After
         tokens were sent, the router ends the stream with Final(FINISH_REASON_DEADLINE); callers of
         the router without a gRPC deadline (the OpenAI HTTP layer's timeout) receive it, while a
