@@ -29,7 +29,7 @@ import grpc
 from monoserve.v1 import admin_pb2, common_pb2, inference_pb2, replica_pb2
 
 from router.detokenizer import TextTokenizer
-from router.errors import RETRY_PUSHBACK_KEY, RouterError
+from router.errors import RouterError, pushback_s
 from router.metrics import RouterMetrics
 from router.policy import RequestShape
 from router.pool import DEFAULT_CONNECT_TIMEOUT_S, ReplicaHandle, ReplicaPool
@@ -363,7 +363,7 @@ class _Stream:
             if code == grpc.StatusCode.CANCELLED and self.running.aborted.is_set():
                 return
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # only ever before the first token
-                pushback = _pushback_s(e)
+                pushback = pushback_s(e)
                 handle.refused_busy(pushback)  # raced another client for its last slot
                 raise _ReplicaBusy(pushback) from None
             if code in _FAILOVER_CODES:
@@ -395,17 +395,6 @@ class _Stream:
                 and reason == common_pb2.FINISH_REASON_STOP and not (self.stops and self.stops.done):
             final.stop_token_id = replica_final.stop_token_id
         return inference_pb2.GenerateResponse(final=final)
-
-
-def _pushback_s(e: grpc.aio.AioRpcError) -> float | None:
-    """The replica's retry pushback (gRFC A6 trailer), in seconds; None without a valid one."""
-    for key, value in e.trailing_metadata() or ():
-        if key == RETRY_PUSHBACK_KEY:
-            try:
-                return max(0.0, int(value) / 1000.0)
-            except ValueError:
-                return None
-    return None
 
 
 class _ReplicaFailed(Exception):

@@ -31,3 +31,14 @@ class RouterError(Exception):
 
 def invalid(message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def pushback_s(e: grpc.aio.AioRpcError) -> float | None:
+    """A server's retry pushback (the gRFC A6 trailer) in seconds; None without a valid one."""
+    for key, value in e.trailing_metadata() or ():
+        if key == RETRY_PUSHBACK_KEY:
+            try:
+                return max(0.0, int(value) / 1000.0)
+            except ValueError:
+                return None
+    return None
