@@ -213,7 +213,7 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
              "greedy steps equal to default's |", "|---|---|---|---|---|---|---|---|"]
     for preset in args.presets:
         tensors = random_tensors(cp, preset_config(preset))
-        builds = [("default", None)] + [(name, {name: True}) for name in args.ab]
+        builds = [("default", None)] + [(name, {n: True for n in name.split("+")}) for name in args.ab]
         got: dict[str, list] = {name: [] for name, _ in builds}
         for _ in range(2):
             for name, opts in builds:
@@ -264,7 +264,7 @@ def main() -> None:
                     help="tensor-parallel sizes to time per preset, e.g. --tp 1 2 (adds skip-all-reduce builds)")
     ap.add_argument("--ab", nargs="+", default=[],
                     help="A/B only: boolean layout options to time against the default build on every preset, "
-                         "e.g. --ab fused_mlp (writes ab.md/ab.json under --out; skips the main table and peers)")
+                         "e.g. --ab fused_mlp fused_mlp+fused_attn_o ('+' combines options; writes ab.md/ab.json under --out; skips the main table and peers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.ab:
@@ -273,7 +273,7 @@ def main() -> None:
         from replicas.layout import KernelLayout
 
         known = {n for n, v in inspect.signature(KernelLayout.from_config).parameters.items() if isinstance(v.default, bool)}
-        if bad := [n for n in args.ab if n not in known]:
+        if bad := [n for name in args.ab for n in name.split("+") if n not in known]:
             ap.error(f"--ab {' '.join(bad)}: not a boolean layout option; choose from {', '.join(sorted(known))}")
     import cupy as cp
 

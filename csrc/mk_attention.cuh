@@ -239,6 +239,11 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       if (idx < kGroup * MK_D) p.attn_o[pbase * MK_D + idx] = o[k];
     }
     if (tid < kGroup) { p.attn_m[pbase + tid] = s_m[tid]; p.attn_l[pbase + tid] = s_l[tid]; }
+#if MK_ATTN_O  // fused_attn_o (mk_attn_o.cuh): count this split's partial, visible, for group g's waiters
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicAdd(p.attn_cnt + g, 1u);
+#endif
     __syncthreads();
   }
 }

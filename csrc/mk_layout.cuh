@@ -11,6 +11,9 @@
 #ifndef MK_FUSED_MLP
 #define MK_FUSED_MLP 0  // gate/up -> down fused, block-local split-K (layout_fused.py; flags only when on)
 #endif
+#ifndef MK_ATTN_O
+#define MK_ATTN_O 0  // O-proj fused into attention, O packed by kv group (layout_attn_o.py; flags only when on)
+#endif
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block
@@ -28,8 +31,14 @@ constexpr int kDPerLane = MK_D / 32;         // head-dim elements per lane in at
 // Units of each streamed matrix: (count, length in elements). A unit is contiguous.
 constexpr long long kUnitsQKV = (long long)kQKVRows * MK_S_QKV;
 constexpr int kLenQKV = MK_HP / MK_S_QKV;
+#if MK_ATTN_O
+constexpr long long kUnitsO = (long long)MK_NKV * MK_H;  // unit (kv group, row): the row's group columns
+constexpr int kLenO = MK_AO_GDP;
+static_assert(MK_S_O == 1 && MK_AO_GDP % kChunk == 0, "fused_attn_o: whole-chunk group units, no k-split");
+#else
 constexpr long long kUnitsO = (long long)MK_H * MK_S_O;
 constexpr int kLenO = MK_QP / MK_S_O;
+#endif
 constexpr long long kUnitsGU = MK_I;
 constexpr int kLenGU = 2 * MK_HP;            // gate row then up row
 constexpr long long kUnitsDN = (long long)MK_H * MK_S_DN;
@@ -39,7 +48,7 @@ constexpr int kLenLM = MK_HP;
 
 // Per-layer element strides of the packed matrices.
 constexpr long long kStrideQKV = (long long)kQKVRows * MK_HP;
-constexpr long long kStrideO = (long long)MK_H * MK_QP;
+constexpr long long kStrideO = kUnitsO * kLenO;  // == MK_H * MK_QP without MK_ATTN_O
 constexpr long long kStrideGU = (long long)MK_I * 2 * MK_HP;
 #if MK_FUSED_MLP
 constexpr long long kStrideDN = (long long)MK_I * MK_HP;  // block-slice tiles of down^T (mk_fused.cuh)

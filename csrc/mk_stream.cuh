@@ -122,7 +122,12 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   constexpr int kChunks = kLen / kChunk;
   const int lane8 = st.lane * 8;
   for (long long u = u0; u < u1; u++) {
+#if MK_ATTN_O
+    // O units (group g, row): group g's staged attention output sits at s_act + g * kLenO
+    const float* x = s_act + (MAT == MAT_O ? (int)(u / MK_H) * kLen : kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
+#else
     const float* x = s_act + (kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
+#endif
     float acc0 = 0.f, acc1 = 0.f;
     if (MAT == MAT_GU) {
 #pragma unroll 2

@@ -18,6 +18,9 @@
 #if MK_FUSED_MLP
 #include "mk_fused.cuh"
 #endif
+#if MK_ATTN_O
+#include "mk_attn_o.cuh"
+#endif
 
 // x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
 // s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
@@ -91,6 +94,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
 #if MK_FUSED_MLP
   unsigned fx_turn = 0;  // fused MLP phases so far: accumulator fx_turn & 1 is being added to
+#endif
+#if MK_ATTN_O
+  unsigned ao_target = 0;  // attention splits each kv group has published so far (attn_cnt)
 #endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
@@ -199,6 +205,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
+#if MK_ATTN_O
+      ao_zero(p);  // the O accumulator: read before the MLP's barrier, next added to after QKV's
+#endif
 #if MK_QKV_FLAGS
       // No grid barrier: each warp counts its finished units per kv group; an attention block
       // waits only for its own group's count (qkv_target grows by one group's units per layer).
@@ -214,12 +223,19 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 
       attention_phase(p, layer, pos, s_act, 0u);
 #endif
+#if MK_ATTN_O
+      // No attention -> O barrier: wait only for the kv groups of this block's O units (profile: O = both)
+      ao_target += (unsigned)num_splits(pos + 1);
+      ao_stage(p, pos, ao_target, s_act);
+      run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { ao_add(p, u, acc); });
+#else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(2);
 
       combine_attention(p, pos, s_act);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
+#endif
 #if MK_FUSED_MLP
       fx_zero(fx_acc(p, fx_turn - 1));  // read before the QKV barrier; next added to after O's
 #endif
@@ -230,8 +246,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       tp_all_reduce<MK_S_O>(p, p.o_part, MK_TP_OFF_RECV_O, exchanges);
 #endif
 
+#if MK_ATTN_O
+      residual_norm_ao(p, p.xbuf + xi * MK_HP, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
+                       p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
+#else
       residual_norm<kSumO>(p.xbuf + xi * MK_HP, nullptr, MK_O_SRC(p), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
                             p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
+#endif
       xi ^= 1;
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between

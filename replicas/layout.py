@@ -7,7 +7,7 @@ header (`params_header()`); csrc/mk_layout.cuh only derives from and checks thos
 Weight stream. Each decode step reads, per layer, four packed bf16 matrices and then the LM head:
 
   qkv [L][q_dim + 2*kv_dim][Hp]   q, k, v projection rows stacked (HF row order)
-  o   [L][hidden][Qp]             o_proj
+  o   [L][hidden][Qp]             o_proj ([L][NKV][hidden][GDp] with fused_attn_o: layout_attn_o.py)
   gu  [L][inter][2][Hp]           gate row i then up row i, interleaved so one unit holds both
   dn  [L][hidden][Ip]             down_proj
   lm  [vocab][Hp]                 LM head (the embedding itself when tied and Hp == hidden)
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replicas import layout_fused
+from replicas import layout_attn_o, layout_fused
 from replicas.model import ModelConfig
 
 CHUNK = 256  # bf16 elements one warp loads at once (32 lanes x 16 bytes)
@@ -149,6 +149,7 @@ class KernelLayout:
     vocab_total: int = 0  # the full vocabulary (tp > 1; `vocab` is then the padded per-GPU slice)
     tp_skip_allreduce: bool = False  # timing only: skip the all-reduces (wrong output by design)
     fused_mlp: bool = False  # gate/up -> down without a grid barrier (block-local split-K; layout_fused.py)
+    fused_attn_o: bool = False  # O-proj inside the attention phase, per-kv-group waits (layout_attn_o.py)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -157,7 +158,8 @@ class KernelLayout:
                     evict_first: bool = True, control_warp: bool = False,
                     bar_release: bool = False, qkv_flags: bool = False,
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
-                    tp_skip_allreduce: bool = False, fused_mlp: bool = False) -> KernelLayout:
+                    tp_skip_allreduce: bool = False, fused_mlp: bool = False,
+                    fused_attn_o: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -176,13 +178,14 @@ class KernelLayout:
                    evict_first=bool(evict_first), control_warp=bool(control_warp),
                    bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
-                   tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp))
-        if tp_error := base._tp_error() or layout_fused.fused_error(base):
+                   tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
+                   fused_attn_o=bool(fused_attn_o))
+        if tp_error := base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
             "qkv": choose_split(base.qkv_rows, base.hp, warps),
-            "o": choose_split(base.hidden, base.qp, warps),
+            "o": 1 if base.fused_attn_o else choose_split(base.hidden, base.qp, warps),
             "dn": choose_split(base.hidden, base.ip, warps),
         }
         lay = cls(**{**base.__dict__, "splits": splits})
@@ -240,7 +243,8 @@ class KernelLayout:
     def act_floats(self) -> int:
         combine = self.qp + 2 * self.heads * MAX_ATTN_SPLITS  # O-input staging + split weights
         fused = layout_fused.act_floats(self) if self.fused_mlp else 0
-        return max(self.hp, self.qp, self.ip, self.attn_floats, combine, fused)
+        attn_o = layout_attn_o.act_floats(self) if self.fused_attn_o else 0
+        return max(self.hp, self.qp, self.ip, self.attn_floats, combine, fused, attn_o)
 
     @property
     def smem_fixed(self) -> int:
@@ -265,7 +269,8 @@ class KernelLayout:
         L = self.layers
         return {
             "w_qkv": (L, self.qkv_rows, self.hp),
-            "w_o": (L, self.hidden, self.qp),
+            "w_o": (L, self.kv_heads, self.hidden, layout_attn_o.group_len(self)) if self.fused_attn_o
+            else (L, self.hidden, self.qp),
             "w_gu": (L, self.inter, 2, self.hp),
             "w_dn": (L, self.inter * self.hp) if self.fused_mlp else (L, self.hidden, self.ip),
             "w_lm": (self.vocab, self.hp),
@@ -323,6 +328,8 @@ class KernelLayout:
             r, wc, m = layout_fused.down_geometry(self.hp, self.warps_per_block)
             defs.update({"MK_FUSED_MLP": 1, "MK_FX_R": r, "MK_FX_WC": wc, "MK_FX_M": m,
                          "MK_FX_PART": layout_fused.part_floats(self), "MK_FX_SHIFT": layout_fused.FX_SHIFT})
+        if self.fused_attn_o:  # emitted only when on, like fused_mlp
+            defs.update({"MK_ATTN_O": 1, "MK_AO_GDP": layout_attn_o.group_len(self)})
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
@@ -336,7 +343,7 @@ class KernelLayout:
         return {
             "xbuf": 2 * self.hp,
             "qkv_part": self.qkv_rows * s["qkv"],
-            "o_part": self.hidden * s["o"],
+            "o_part": 2 * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
             "h_buf": self.ip,
             "dn_part": 4 * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,

@@ -112,7 +112,7 @@ class Prefill:
             m.k_cache[n, :, :T, :] = k_bits.transpose(1, 0, 2)
             m.v_cache[n, :, :T, :] = v_bits.transpose(1, 0, 2)
             attn = self._attention(self._rope(q, cos, sin), k_bits, v_bits, n)
-            x += self._linear(attn, w["w_o"][n], Q)
+            x += self._linear(attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
             if c.o_bias:
                 x += w["o_bias"][n]
             gu = self._linear(self._rms(x, w["ln2"][n]), w["w_gu"][n].reshape(2 * I, -1), H).reshape(T, I, 2)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from replicas.layout import KernelLayout
+from replicas.layout_attn_o import pack_o_by_group
 from replicas.layout_fused import pack_down_fused
 from replicas.model import ModelConfig
 
@@ -60,6 +61,8 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     out["w_dn"] = xp.zeros(shapes["w_dn"], xp.uint16)
     if lay.fused_mlp:
         out["w_dn_prefill"] = xp.zeros((L, H, lay.ip), xp.uint16)
+    if lay.fused_attn_o:
+        out["w_o_prefill"] = xp.zeros((L, H, lay.qp), xp.uint16)
     small = {k: xp.zeros(s, xp.float32) for k, s in {
         "ln1": (L, H), "ln2": (L, H), "lnf": (H,), "qkv_bias": (L, lay.qkv_rows), "o_bias": (L, H),
         "q_norm": (L, D), "k_norm": (L, D)}.items()}
@@ -69,7 +72,12 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
         out["w_qkv"][n, :Q, :H] = big(a + "q_proj.weight")
         out["w_qkv"][n, Q:Q + KV, :H] = big(a + "k_proj.weight")
         out["w_qkv"][n, Q + KV:, :H] = big(a + "v_proj.weight")
-        out["w_o"][n, :, :Q] = big(a + "o_proj.weight")
+        if lay.fused_attn_o:  # by kv group for the kernel (replicas/layout_attn_o.py), plain rows for the prefill
+            o = big(a + "o_proj.weight")
+            out["w_o"][n] = pack_o_by_group(xp, lay, o)
+            out["w_o_prefill"][n, :, :Q] = o
+        else:
+            out["w_o"][n, :, :Q] = big(a + "o_proj.weight")
         out["w_gu"][n, :, 0, :H] = big(p + "mlp.gate_proj.weight")
         out["w_gu"][n, :, 1, :H] = big(p + "mlp.up_proj.weight")
         if lay.fused_mlp:  # block-slice tiles of down^T (replicas/layout_fused.py) for the kernel,
