@@ -24,7 +24,11 @@ def _top_ids(scaled: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k largest values, largest first, equal values by lowest id."""
     if k >= scaled.size:
         return np.argsort(-scaled, kind="stable")  # stable => equal logits keep id order
-    part = np.argpartition(-scaled, k - 1)[:k]  # O(vocab); only these k need sorting
+    kth = scaled[np.argpartition(-scaled, k - 1)[k - 1]]  # O(vocab): the k-th largest value
+    # argpartition breaks ties at the boundary arbitrarily: take every id above the k-th value,
+    # then the lowest ids equal to it, so ties go to the lowest id as everywhere else.
+    above = np.flatnonzero(scaled > kth)
+    part = np.concatenate([above, np.flatnonzero(scaled == kth)[:k - above.size]])
     return part[np.lexsort((part, -scaled[part]))]
 
 

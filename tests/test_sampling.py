@@ -105,3 +105,10 @@ def test_nucleus_on_a_large_vocab_equals_the_full_sort(top_p):
     keep = int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
     assert ids.tolist() == order[:keep].tolist()
     np.testing.assert_allclose(probs, p[order[:keep]] / p[order[:keep]].sum(), rtol=1e-9)
+
+
+def test_top_k_ties_at_the_boundary_go_to_the_lowest_ids():
+    logits = np.array([0] * 8 + [1, 1, 1], dtype=np.float32)
+    for k in (1, 2):
+        ids, _ = candidate_probs(logits, SamplingParams(temperature=1.0, top_k=k))
+        assert ids.tolist() == [8, 9][:k]
