@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from monoserve.loop_thread import LoopThread
 from monoserve.v1 import REPLICA_SERVICE, common_pb2, replica_pb2
 
 from replicas.engine import Engine
@@ -70,8 +71,7 @@ class ReplicaServer:
         self.replica_id = replica_id
         self.metrics_port = metrics_port
         self._model = (model_name, model_path, gpu_ids)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: LoopThread | None = None  # the event loop the gRPC server runs on
         self._server: grpc.aio.Server | None = None
         self._stopped = threading.Event()
         self.servicer: ReplicaServicer | None = None
@@ -87,18 +87,14 @@ class ReplicaServer:
     # ---- lifecycle (callable from any thread) --------------------------------------------
     def start(self) -> int:
         """Bind and start serving; returns the bound gRPC port."""
-        if self._thread is not None:
+        if self._runner is not None:
             raise RuntimeError("ReplicaServer already started")
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="replica-server-loop", daemon=True)
-        self._thread.start()
+        self._runner = LoopThread("replica-server-loop")
         try:
             self.port = self._call(self._start())
         except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-            self._thread = self._loop = None
+            self._runner.close()
+            self._runner = None
             raise
         log.info("replica %s serving %s engine on %s", self.replica_id, self.engine.kind, self.address)
         return self.port
@@ -128,7 +124,7 @@ class ReplicaServer:
 
     def stop(self, grace: float | None = 5.0) -> None:
         """Stop serving: running calls get `grace` seconds, then are cancelled. Idempotent."""
-        if self._thread is None or self._stopped.is_set():
+        if self._runner is None or self._stopped.is_set():
             return
         try:
             self._call(self._stop(grace))
@@ -136,20 +132,22 @@ class ReplicaServer:
             self.servicer.shutdown()
             if self.metrics is not None:
                 self.metrics.stop()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._runner.close()
             self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until stop() has finished (for the CLI); False on timeout."""
         return self._stopped.wait(timeout)
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._runner.loop if self._runner else None
+
     def _call(self, coro):
-        if self._loop is None:
+        if self._runner is None:
             coro.close()
             raise RuntimeError("ReplicaServer is not started; call start() first")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._runner.call(coro)
 
     # ---- on the event loop -------------------------------------------------------------
     async def _start(self) -> int:

@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from monoserve.loop_thread import LoopThread
 from monoserve.v1 import INFERENCE_SERVICE, ROUTER_ADMIN_SERVICE, admin_pb2, admin_pb2_grpc, inference_pb2
 
 from router.core import Router
@@ -136,8 +137,7 @@ class RouterServer:
         self._connect_timeout_s = connect_timeout_s
         self.metrics = RouterMetrics()
         self.router: Router | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._runner: LoopThread | None = None  # the event loop the gRPC server runs on
         self._server: grpc.aio.Server | None = None
         self._metrics_server = None
         self._http = None
@@ -152,18 +152,15 @@ class RouterServer:
 
     def start(self) -> int:
         """Load the tokenizer, bind, start serving in a background thread; returns the gRPC port."""
-        if self._thread is not None:
+        if self._runner is not None:
             raise RuntimeError("RouterServer already started")
         tokenizer, template = self._load_tokenizer()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
-        self._thread.start()
+        self._runner = LoopThread("router-loop")
         try:
             self.port = self._call(self._start(tokenizer, template))
         except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._thread = None
+            self._runner.close()
+            self._runner = None
             raise
         log.info("router serving on %s with %d replicas", self.address, len(self._initial_replicas))
         return self.port
@@ -186,26 +183,28 @@ class RouterServer:
             time.sleep(0.01)
 
     def stop(self, grace: float | None = 2.0) -> None:
-        if self._thread is None or self._stopped.is_set():
+        if self._runner is None or self._stopped.is_set():
             return
         try:
             self._call(self._stop(grace))
         finally:
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._runner.close()
             self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
 
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        return self._runner.loop if self._runner else None
+
     def _call(self, coro):
-        if self._loop is None:
+        if self._runner is None:
             coro.close()
             raise RuntimeError("RouterServer is not started; call start() first")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._runner.call(coro)
 
     def _load_tokenizer(self):
         if self._tokenizer_dir is None:
