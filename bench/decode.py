@@ -95,7 +95,7 @@ def bench_monokernel(cp, preset: str, runs: int, n_new: int, ttft_lens: list[int
            "evict_first": engine.gpu.layout.evict_first, "control_warp": engine.gpu.layout.control_warp,
            "bar_release": engine.gpu.layout.bar_release, "qkv_flags": engine.gpu.layout.qkv_flags,
            "kv_regs": engine.gpu.layout.kv_regs, "fused_mlp": engine.gpu.layout.fused_mlp,
-           "setup_s": round(time.perf_counter() - t, 1),
+           "options": {k: v for k, v in (options or {}).items()}, "setup_s": round(time.perf_counter() - t, 1),
            "compile_s": round(engine.gpu.compile_seconds, 2),
            "splits": engine.gpu.layout.splits, "ring": engine.gpu.layout.ring_slots}
     prompt = list(range(100, 132))
@@ -204,6 +204,21 @@ def same_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def ab_options(name: str) -> dict:
+    """'fused_mlp+l2_budget_mb=24' -> {'fused_mlp': True, 'l2_budget': 24 << 20}: '+' joins options,
+    NAME=INT sets an integer option (l2_budget_mb in MiB)."""
+    opts: dict = {}
+    for part in name.split("+"):
+        key, eq, val = part.partition("=")
+        if not eq:
+            opts[key] = True
+        elif key == "l2_budget_mb":
+            opts["l2_budget"] = int(val) << 20
+        else:
+            opts[key] = int(val)
+    return opts
+
+
 def bench_ab(cp, args, bw: float, results: dict) -> None:
     """Default build vs each --ab layout option on every preset, same random weights, alternating
     A B A B so drift hits both; writes ab.md. tok/s is the median over both rounds' runs."""
@@ -213,7 +228,7 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
              "greedy steps equal to default's |", "|---|---|---|---|---|---|---|---|"]
     for preset in args.presets:
         tensors = random_tensors(cp, preset_config(preset))
-        builds = [("default", None)] + [(name, {n: True for n in name.split("+")}) for name in args.ab]
+        builds = [("default", None)] + [(name, ab_options(name)) for name in args.ab]
         got: dict[str, list] = {name: [] for name, _ in builds}
         for _ in range(2):
             for name, opts in builds:
@@ -264,7 +279,7 @@ def main() -> None:
                     help="tensor-parallel sizes to time per preset, e.g. --tp 1 2 (adds skip-all-reduce builds)")
     ap.add_argument("--ab", nargs="+", default=[],
                     help="A/B only: boolean layout options to time against the default build on every preset, "
-                         "e.g. --ab fused_mlp fused_mlp+fused_attn_o ('+' combines options; writes ab.md/ab.json under --out; skips the main table and peers)")
+                         "e.g. --ab fused_mlp fused_mlp+fused_attn_o+l2_at_attn+l2_budget_mb=24 ('+' combines options, NAME=N sets an integer one; writes ab.md/ab.json under --out; skips the main table and peers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.ab:
@@ -272,9 +287,18 @@ def main() -> None:
 
         from replicas.layout import KernelLayout
 
-        known = {n for n, v in inspect.signature(KernelLayout.from_config).parameters.items() if isinstance(v.default, bool)}
-        if bad := [n for name in args.ab for n in name.split("+") if n not in known]:
-            ap.error(f"--ab {' '.join(bad)}: not a boolean layout option; choose from {', '.join(sorted(known))}")
+        params = inspect.signature(KernelLayout.from_config).parameters
+        known = {n: type(v.default) for n, v in params.items() if isinstance(v.default, (bool, int))} | {"l2_budget_mb": int}
+        bad = []
+        for name in args.ab:
+            for part in name.split("+"):
+                key, eq, val = part.partition("=")
+                kind = known.get(key)
+                if kind is None or (kind is bool) == bool(eq) or (eq and not val.isdigit()):
+                    bad.append(part)
+        if bad:
+            ap.error(f"--ab {' '.join(bad)}: not a layout option (boolean NAME or integer NAME=N); "
+                     f"choose from {', '.join(sorted(known))}")
     import cupy as cp
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()

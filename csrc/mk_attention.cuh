@@ -19,7 +19,7 @@ constexpr int kAttnStats = kAttnSC + kGroup * MK_ATTN_TILE; // m, l, alpha per h
 constexpr int kAttnKV = (kAttnStats + 4 * kGroup + 4 + 3) / 4 * 4;  // bf16 K tile then V tile
 constexpr int kAttnFloats = kAttnKV + MK_ATTN_TILE * MK_D;
 static_assert(kAttnFloats <= MK_ACT_FLOATS, "attention scratch exceeds the activation buffer");
-static_assert(MK_QP + 2 * MK_NH * MK_MAX_SPLITS <= MK_ACT_FLOATS, "combine scratch");
+static_assert(MK_ATTN_O || MK_QP + 2 * MK_NH * MK_MAX_SPLITS <= MK_ACT_FLOATS, "combine scratch");
 constexpr int kRowPieces = MK_D / 8;                        // 16-byte pieces per K/V row
 constexpr int kTilePieces = 2 * MK_ATTN_TILE * kRowPieces;   // K tile then V tile
 constexpr int kPiecesPerThread = (kTilePieces + MK_THREADS - 1) / MK_THREADS;
@@ -77,7 +77,17 @@ MK_DEVICE void signal_qkv_done(const MkParams& p, const WeightStream& st) {
   }
 }
 
-MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target) {
+#if MK_KV_BULK
+// The K/V tile barrier (initialised once per launch by kv_bulk_init) and the parity of its next phase.
+__shared__ __align__(8) unsigned long long mk_kv_bar;
+MK_DEVICE void kv_bulk_init() {
+  if (threadIdx.x == 0) mbar_init(&mk_kv_bar);
+  __syncthreads();
+}
+#endif
+
+MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target,
+                               unsigned& kv_parity) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctx = pos + 1;
   const int split_cap = split_capacity();  // partials: [NKV][split_cap]
@@ -101,6 +111,19 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
     const long long head_base = ((long long)layer * MK_NKV + g) * MK_MAX_CTX;
     // Start fetching the first tile of cached K/V (earlier positions do not depend on this step).
     auto fetch_tile = [&](int tt, int n) {
+#if MK_KV_BULK
+      // K rows [tt, tt+n) of head g are contiguous in the cache, V's too: two bulk copies. The new
+      // token's row comes along stale and is never read (s_kc / s_vc stand in for it).
+      fence_proxy_async();
+      __syncthreads();
+      if (tid == 0) {
+        const unsigned bytes = (unsigned)(n * MK_D * 2);
+        mbar_expect(&mk_kv_bar, 2 * bytes);
+        bulk_g2s(s_k, p.k_cache + (head_base + tt) * MK_D, bytes, &mk_kv_bar);
+        bulk_g2s(s_v, p.v_cache + (head_base + tt) * MK_D, bytes, &mk_kv_bar);
+      }
+      return;
+#endif
       for (int i = tid; i < 2 * n * kRowPieces; i += MK_THREADS) {
         const int kv = i / (n * kRowPieces), r = i % (n * kRowPieces), j = r / kRowPieces, c = r % kRowPieces;
         if (tt + j == pos) continue;  // the new token's row comes from s_kc / s_vc
@@ -172,6 +195,11 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       if (MK_KV_REGS) {
         if (tt != t0) tile.load(p, head_base, tt, n, pos);
         tile.store(s_k, s_v, tt, n, pos);
+      } else if (MK_KV_BULK) {
+#if MK_KV_BULK
+        mbar_wait(&mk_kv_bar, kv_parity);
+        kv_parity ^= 1u;
+#endif
       } else {
         cp_async_wait_all();
       }

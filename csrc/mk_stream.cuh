@@ -144,20 +144,21 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   }
 }
 
-// Ask L2 to fetch the first `bytes` of this warp's share of matrix MAT (layer `layer`), without
-// waiting: used while the latency-bound attention chain leaves HBM idle.
+// Ask L2 to fetch `bytes` of this warp's share of matrix MAT (layer `layer`) from byte `skip` on,
+// without waiting: used while the latency-bound attention chain leaves HBM idle.
 template <int MAT>
-MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes) {
+MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes, int skip) {
   if (bytes <= 0 || st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
   warp_range(units, st.gw, st.nw, u0, u1);
-  const long long n = min((long long)bytes, (u1 - u0) * len * 2);
+  const long long n = min((long long)bytes, (u1 - u0) * len * 2 - skip);  // bytes [skip, skip + n) of the share
+  if (n <= 0) return;
   const long long piece = ((n + 31) / 32 + 15) & ~15LL;
   const long long off = st.lane * piece;
   if (off < n) {
     const unsigned size = (unsigned)min(piece, n - off);
-    const char* src = reinterpret_cast<const char*>(base + u0 * len) + off;
+    const char* src = reinterpret_cast<const char*>(base + u0 * len) + skip + off;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(size) : "memory");
   }
 }

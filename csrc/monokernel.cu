@@ -98,6 +98,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #if MK_ATTN_O
   unsigned ao_target = 0;  // attention splits each kv group has published so far (attn_cnt)
 #endif
+  unsigned kv_parity = 0;  // next phase parity of the K/V tile mbarrier (MK_KV_BULK)
+#if MK_KV_BULK
+  kv_bulk_init();
+#endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
   const int mode = (int)p.mode;
@@ -202,8 +206,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         residual_norm<kSumDN>(xs, nullptr, MK_DN_SRC(p), nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
 #endif
       xi ^= 1;
-      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
-      l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
+#if !MK_PF_AT_ATTN
+      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU, 0);
+      l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN, 0);
+#endif
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
 #if MK_ATTN_O
       ao_zero(p);  // the O accumulator: read before the MLP's barrier, next added to after QKV's
@@ -215,13 +221,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       qkv_target += kQKVGroupUnits;
       __syncthreads();
       MK_MARK(1);
-      attention_phase(p, layer, pos, s_act, qkv_target);
+      attention_phase(p, layer, pos, s_act, qkv_target, kv_parity);
 #else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(1);
-
-      attention_phase(p, layer, pos, s_act, 0u);
+#if MK_PF_AT_ATTN
+      // HBM idles through the latency-bound attention chain once the rings are full: warm L2 with
+      // the part of this warp's gate/up share the ring will not have reached by then
+      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU, MK_PF_SKIP);
+#endif
+      attention_phase(p, layer, pos, s_act, 0u, kv_parity);
 #endif
 #if MK_ATTN_O
       // No attention -> O barrier: wait only for the kv groups of this block's O units (profile: O = both)

@@ -45,8 +45,6 @@ def fused_error(lay) -> str | None:
     if lay.tp != 1:
         return ("fused_mlp is single-GPU only (tp=1): with tp > 1 the down output is all-reduced "
                 "across GPUs from the k-split partials; drop fused_mlp or use tp=1")
-    if lay.l2_budget:
-        return "fused_mlp streams down by block slices; set l2_budget=0 (L2 prefetch of down assumes row units)"
     if down_geometry(lay.hp, lay.warps_per_block) is None:
         return (f"fused_mlp needs hidden/256 chunk columns ({lay.hp // CHUNK}) to divide or be a multiple of "
                 f"the {lay.warps_per_block} streaming warps per block (hidden={lay.hidden}); drop fused_mlp")
