@@ -52,9 +52,12 @@ struct KVTile {
   }
 };
 
-// KV-length splits per kv head for a context of `ctx` positions (>= ~64 positions per split).
+#ifndef MK_SPLIT_POS
+#define MK_SPLIT_POS 64  // layout option split_pos (flag emitted only when not 64)
+#endif
+// KV-length splits per kv head for a context of `ctx` positions (>= ~MK_SPLIT_POS positions per split).
 MK_DEVICE int split_capacity() { return max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS)); }
-MK_DEVICE int num_splits(int ctx) { return max(1, min(split_capacity(), (ctx + 63) / 64)); }
+MK_DEVICE int num_splits(int ctx) { return max(1, min(split_capacity(), (ctx + MK_SPLIT_POS - 1) / MK_SPLIT_POS)); }
 
 // QKV units of one kv group: its kGroup q heads, its k head and its v head, each D rows x splits.
 constexpr unsigned kQKVGroupUnits = (unsigned)(kGroup + 2) * MK_D * MK_S_QKV;
@@ -77,17 +80,7 @@ MK_DEVICE void signal_qkv_done(const MkParams& p, const WeightStream& st) {
   }
 }
 
-#if MK_KV_BULK
-// The K/V tile barrier (initialised once per launch by kv_bulk_init) and the parity of its next phase.
-__shared__ __align__(8) unsigned long long mk_kv_bar;
-MK_DEVICE void kv_bulk_init() {
-  if (threadIdx.x == 0) mbar_init(&mk_kv_bar);
-  __syncthreads();
-}
-#endif
-
-MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target,
-                               unsigned& kv_parity) {
+MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int ctx = pos + 1;
   const int split_cap = split_capacity();  // partials: [NKV][split_cap]
@@ -111,19 +104,6 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
     const long long head_base = ((long long)layer * MK_NKV + g) * MK_MAX_CTX;
     // Start fetching the first tile of cached K/V (earlier positions do not depend on this step).
     auto fetch_tile = [&](int tt, int n) {
-#if MK_KV_BULK
-      // K rows [tt, tt+n) of head g are contiguous in the cache, V's too: two bulk copies. The new
-      // token's row comes along stale and is never read (s_kc / s_vc stand in for it).
-      fence_proxy_async();
-      __syncthreads();
-      if (tid == 0) {
-        const unsigned bytes = (unsigned)(n * MK_D * 2);
-        mbar_expect(&mk_kv_bar, 2 * bytes);
-        bulk_g2s(s_k, p.k_cache + (head_base + tt) * MK_D, bytes, &mk_kv_bar);
-        bulk_g2s(s_v, p.v_cache + (head_base + tt) * MK_D, bytes, &mk_kv_bar);
-      }
-      return;
-#endif
       for (int i = tid; i < 2 * n * kRowPieces; i += MK_THREADS) {
         const int kv = i / (n * kRowPieces), r = i % (n * kRowPieces), j = r / kRowPieces, c = r % kRowPieces;
         if (tt + j == pos) continue;  // the new token's row comes from s_kc / s_vc
@@ -195,11 +175,6 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       if (MK_KV_REGS) {
         if (tt != t0) tile.load(p, head_base, tt, n, pos);
         tile.store(s_k, s_v, tt, n, pos);
-      } else if (MK_KV_BULK) {
-#if MK_KV_BULK
-        mbar_wait(&mk_kv_bar, kv_parity);
-        kv_parity ^= 1u;
-#endif
       } else {
         cp_async_wait_all();
       }
@@ -307,7 +282,7 @@ MK_DEVICE void combine_attention(const MkParams& p, int pos, float* s_act) {
 #pragma unroll 4
         for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
       }
-      s_act[i] = acc;
+      s_act[xpos(i)] = acc;
     }
   }
   __syncthreads();

@@ -43,7 +43,7 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
 #pragma unroll 4
       for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
-    s_act[g * MK_AO_GDP + i] = acc;
+    s_act[g * MK_AO_GDP + xpos(i)] = acc;
   }
   __syncthreads();
 }
@@ -100,7 +100,7 @@ MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const floa
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[i] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
     }
   }
   __syncthreads();

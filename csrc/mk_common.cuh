@@ -20,10 +20,28 @@ MK_DEVICE uint16_t f32_to_bf16(float f) {
 }
 MK_DEVICE float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-// 8 packed bf16 (one 16-byte word) dotted with 8 fp32.
+#ifndef MK_XPERM
+#define MK_XPERM 0  // layout option x_perm (flag emitted only when on)
+#endif
+// Shared-memory position of matvec-input element i. With MK_XPERM, inside each 256-element chunk
+// lane l's elements [8l, 8l+8) sit as two float4 at 4l and 128 + 4l: a warp's float4 loads of a
+// chunk are then contiguous (4 wavefronts each) instead of 32-byte strided (8 wavefronts each).
+MK_DEVICE int xpos(int i) {
+#if MK_XPERM
+  const int r = i & 255;
+  return (i & ~255) + ((r & 4) << 5) + ((r >> 3) << 2) + (r & 3);
+#else
+  return i;
+#endif
+}
+// Offset of a lane's first input element inside a chunk (see xpos), and of its second float4.
+constexpr int kXLane = MK_XPERM ? 4 : 8;
+constexpr int kXHi = MK_XPERM ? 128 : 4;
+
+// 8 packed bf16 (one 16-byte word) dotted with 8 fp32 (x = the chunk's input + lane * kXLane).
 MK_DEVICE float dot8(uint4 w, const float* x) {
   float4 a = *reinterpret_cast<const float4*>(x);
-  float4 b = *reinterpret_cast<const float4*>(x + 4);
+  float4 b = *reinterpret_cast<const float4*>(x + kXHi);
   float s;
   s = __uint_as_float(w.x << 16) * a.x;
   s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
@@ -56,35 +74,6 @@ MK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "
 template <int N>
 MK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 MK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// ---- bulk copies (TMA) completing on an mbarrier: their own completion mechanism, so waiting for
-// one never waits for the weight ring's cp.async groups (those complete only in order) ----
-MK_DEVICE unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-MK_DEVICE void mbar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Generic-proxy accesses before this (after a __syncthreads) are ordered before later bulk copies.
-MK_DEVICE void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-// One thread: expect `bytes` on the barrier's current phase (the phase's single arrival).
-MK_DEVICE void mbar_expect(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-MK_DEVICE void bulk_g2s(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-// Every thread: wait until the barrier's phase with this parity has completed.
-MK_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
-  unsigned done = 0;
-  do {
-    asm volatile("{\n .reg .pred P;\n mbarrier.try_wait.parity.shared::cta.b64 P, [%1], %2;\n selp.u32 %0, 1, 0, P;\n}\n"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  } while (!done);
-}
 
 // ---- reductions ----
 MK_DEVICE float warp_sum(float v) {

@@ -40,7 +40,7 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[i] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
     }
   }
   __syncthreads();

@@ -11,13 +11,6 @@
 #ifndef MK_FUSED_MLP
 #define MK_FUSED_MLP 0  // gate/up -> down fused, block-local split-K (layout_fused.py; flags only when on)
 #endif
-#ifndef MK_KV_BULK
-#define MK_KV_BULK 0  // attention's K/V tiles by bulk copy + mbarrier (flag only when on)
-#endif
-#ifndef MK_PF_AT_ATTN
-#define MK_PF_AT_ATTN 0  // the gate/up L2 prefetch after the QKV barrier, skipping MK_PF_SKIP bytes
-#define MK_PF_SKIP 0
-#endif
 #ifndef MK_ATTN_O
 #define MK_ATTN_O 0  // O-proj fused into attention, O packed by kv group (layout_attn_o.py; flags only when on)
 #endif
@@ -69,7 +62,6 @@ static_assert(MK_HP % kChunk == 0 && MK_QP % kChunk == 0 && MK_IP % kChunk == 0,
 static_assert(kLenQKV % kChunk == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
 static_assert(MK_D % 32 == 0 && MK_D <= 256, "head_dim must be a multiple of 32, at most 256");
 static_assert(MK_NH % MK_NKV == 0, "GQA grouping");
-static_assert(!(MK_KV_BULK && MK_KV_REGS), "kv_bulk and kv_regs are alternatives");
 static_assert(MK_RING >= 2 && MK_RING <= 32, "weight ring depth");
 static_assert(MK_ACT_FLOATS >= MK_HP && MK_ACT_FLOATS >= MK_QP, "act buffer");
 static_assert(MK_FUSED_MLP || MK_ACT_FLOATS >= MK_IP, "act buffer: the unfused down stages h");

@@ -120,7 +120,7 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   constexpr int kLen = MAT == MAT_QKV ? kLenQKV : MAT == MAT_O ? kLenO : MAT == MAT_DN ? kLenDN
                        : MAT == MAT_GU ? kLenGU : kLenLM;
   constexpr int kChunks = kLen / kChunk;
-  const int lane8 = st.lane * 8;
+  const int lane8 = st.lane * kXLane;  // this lane's input offset in a chunk (mk_common.cuh xpos)
   for (long long u = u0; u < u1; u++) {
 #if MK_ATTN_O
     // O units (group g, row): group g's staged attention output sits at s_act + g * kLenO
@@ -144,21 +144,20 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   }
 }
 
-// Ask L2 to fetch `bytes` of this warp's share of matrix MAT (layer `layer`) from byte `skip` on,
-// without waiting: used while the latency-bound attention chain leaves HBM idle.
+// Ask L2 to fetch the first `bytes` of this warp's share of matrix MAT (layer `layer`), without
+// waiting: used while the latency-bound attention chain leaves HBM idle.
 template <int MAT>
-MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes, int skip) {
+MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer, int bytes) {
   if (bytes <= 0 || st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
   warp_range(units, st.gw, st.nw, u0, u1);
-  const long long n = min((long long)bytes, (u1 - u0) * len * 2 - skip);  // bytes [skip, skip + n) of the share
-  if (n <= 0) return;
+  const long long n = min((long long)bytes, (u1 - u0) * len * 2);
   const long long piece = ((n + 31) / 32 + 15) & ~15LL;
   const long long off = st.lane * piece;
   if (off < n) {
     const unsigned size = (unsigned)min(piece, n - off);
-    const char* src = reinterpret_cast<const char*>(base + u0 * len) + skip + off;
+    const char* src = reinterpret_cast<const char*>(base + u0 * len) + off;
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(size) : "memory");
   }
 }

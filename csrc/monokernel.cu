@@ -49,7 +49,7 @@ MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const f
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[i] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
     }
   }
   __syncthreads();
@@ -61,7 +61,7 @@ MK_DEVICE void stage_vector(const float* src, float* s_act) {
 #pragma unroll
   for (int k = 0; k < (NPAD + MK_THREADS - 1) / MK_THREADS; k++) {
     const int i = threadIdx.x + k * MK_THREADS;
-    if (i < NPAD) s_act[i] = i < N ? __ldcg(src + i) : 0.f;
+    if (i < NPAD) s_act[xpos(i)] = i < N ? __ldcg(src + i) : 0.f;
   }
   __syncthreads();
 }
@@ -97,10 +97,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
 #if MK_ATTN_O
   unsigned ao_target = 0;  // attention splits each kv group has published so far (attn_cnt)
-#endif
-  unsigned kv_parity = 0;  // next phase parity of the K/V tile mbarrier (MK_KV_BULK)
-#if MK_KV_BULK
-  kv_bulk_init();
 #endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
@@ -206,10 +202,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         residual_norm<kSumDN>(xs, nullptr, MK_DN_SRC(p), nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
 #endif
       xi ^= 1;
-#if !MK_PF_AT_ATTN
-      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU, 0);
-      l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN, 0);
-#endif
+      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
+      l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
 #if MK_ATTN_O
       ao_zero(p);  // the O accumulator: read before the MLP's barrier, next added to after QKV's
@@ -221,17 +215,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       qkv_target += kQKVGroupUnits;
       __syncthreads();
       MK_MARK(1);
-      attention_phase(p, layer, pos, s_act, qkv_target, kv_parity);
+      attention_phase(p, layer, pos, s_act, qkv_target);
 #else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(1);
-#if MK_PF_AT_ATTN
-      // HBM idles through the latency-bound attention chain once the rings are full: warm L2 with
-      // the part of this warp's gate/up share the ring will not have reached by then
-      l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU, MK_PF_SKIP);
-#endif
-      attention_phase(p, layer, pos, s_act, 0u, kv_parity);
+      attention_phase(p, layer, pos, s_act, 0u);
 #endif
 #if MK_ATTN_O
       // No attention -> O barrier: wait only for the kv groups of this block's O units (profile: O = both)

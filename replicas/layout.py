@@ -33,6 +33,7 @@ WARP_BYTES = CHUNK * 2
 SMEM_LIMIT = 227 * 1024  # opt-in dynamic shared memory per block on Hopper
 MAX_RING = 32  # weight-ring slots per warp (16-byte cp.async per lane each)
 ATTN_TILE = 64  # KV positions per attention tile (scores staged in shared memory)
+ATTN_SPLIT_POS = 64  # KV positions per attention split (more positions -> more splits, up to the cap)
 MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
 # The QKV -> attention -> O-proj chain is latency-bound and leaves HBM mostly idle; during it every
 # warp asks L2 to prefetch the start of its gate/up (then down) share, up to this many bytes in all
@@ -150,11 +151,9 @@ class KernelLayout:
     tp_skip_allreduce: bool = False  # timing only: skip the all-reduces (wrong output by design)
     fused_mlp: bool = False  # gate/up -> down without a grid barrier (block-local split-K; layout_fused.py)
     fused_attn_o: bool = False  # O-proj inside the attention phase, per-kv-group waits (layout_attn_o.py)
-    # K/V tiles by bulk copy (TMA) completing on an mbarrier, so attention does not wait for the
-    # weight ring (its cp.async.wait_all waited for every weight chunk the ring had in flight)
-    kv_bulk: bool = False
-    l2_at_attn: bool = False  # issue the l2_budget prefetch of gate/up after the QKV barrier, past the ring's reach
     max_ring: int = 0  # cap on weight-ring slots per warp (0: as many as shared memory holds); tuning
+    x_perm: bool = False  # matvec inputs permuted in shared memory so a warp's float4 loads are conflict-free
+    split_pos: int = ATTN_SPLIT_POS  # KV positions per attention split before another split is used
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -164,8 +163,8 @@ class KernelLayout:
                     bar_release: bool = False, qkv_flags: bool = False,
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
                     tp_skip_allreduce: bool = False, fused_mlp: bool = False,
-                    fused_attn_o: bool = False, kv_bulk: bool = False, l2_at_attn: bool = False,
-                    max_ring: int = 0) -> KernelLayout:
+                    fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
+                    split_pos: int = ATTN_SPLIT_POS) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -185,14 +184,12 @@ class KernelLayout:
                    bar_release=bool(bar_release), qkv_flags=bool(qkv_flags),
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
-                   fused_attn_o=bool(fused_attn_o), kv_bulk=bool(kv_bulk), l2_at_attn=bool(l2_at_attn),
-                   max_ring=int(max_ring))
+                   fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
+                   split_pos=int(split_pos))
+        if not 1 <= split_pos <= 4096:
+            raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
-        if kv_bulk and kv_regs:
-            raise LayoutError("kv_bulk and kv_regs are two ways to load the K/V tiles: choose one")
-        if l2_at_attn and not l2_budget:
-            raise LayoutError("l2_at_attn moves the l2_budget prefetch: set l2_budget > 0 too")
         if tp_error := base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base):
             raise LayoutError(tp_error)
         warps = base.total_warps
@@ -297,20 +294,10 @@ class KernelLayout:
         per_warp = self.l2_budget // self.total_warps
         gu_share = math.ceil(self.inter / self.total_warps) * 2 * self.hp * 2
         dn_share = math.ceil(self.hidden * self.splits["dn"] / self.total_warps) * (self.ip // self.splits["dn"]) * 2
-        gu = min(per_warp, gu_share - self.l2_skip_per_warp()) // WARP_BYTES * WARP_BYTES
+        gu = min(per_warp, gu_share) // WARP_BYTES * WARP_BYTES
         # fused_mlp streams down in block tiles, not the row ranges l2_prefetch walks: gate/up only
         dn = 0 if self.fused_mlp else min(per_warp - gu, dn_share) // WARP_BYTES * WARP_BYTES
         return max(gu, 0), max(dn, 0)
-
-    def l2_skip_per_warp(self) -> int:
-        """Bytes at the start of a warp's gate/up share that the L2 prefetch skips: with l2_at_attn
-        the weight ring already holds them (it runs RING chunks past the warp's O share)."""
-        if not self.l2_at_attn:
-            return 0
-        units_o = self.kv_heads * self.hidden if self.fused_attn_o else self.hidden * self.splits["o"]
-        len_o = layout_attn_o.group_len(self) if self.fused_attn_o else self.qp // self.splits["o"]
-        o_bytes = math.ceil(units_o / self.total_warps) * len_o * 2
-        return max(0, self.ring_slots * WARP_BYTES - o_bytes) // WARP_BYTES * WARP_BYTES
 
     def stream_bytes_per_token(self) -> int:
         return 2 * sum(math.prod(s) for s in self.packed_shapes().values())
@@ -351,10 +338,11 @@ class KernelLayout:
             "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
             "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
         }
-        if self.kv_bulk:  # emitted only when on, like the fused options
-            defs["MK_KV_BULK"] = 1
-        if self.l2_at_attn:
-            defs.update({"MK_PF_AT_ATTN": 1, "MK_PF_SKIP": self.l2_skip_per_warp()})
+
+        if self.x_perm:  # emitted only when set, like the fused options
+            defs["MK_XPERM"] = 1
+        if self.split_pos != ATTN_SPLIT_POS:
+            defs["MK_SPLIT_POS"] = self.split_pos
         if self.fused_mlp:  # emitted only when on: default builds keep their flags (and cubins)
             r, wc, m = layout_fused.down_geometry(self.hp, self.warps_per_block)
             defs.update({"MK_FUSED_MLP": 1, "MK_FX_R": r, "MK_FX_WC": wc, "MK_FX_M": m,

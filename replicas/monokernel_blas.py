@@ -84,29 +84,33 @@ class Blas:
                         COMPUTE_32F, GEMM_DEFAULT)
         return y
 
-    def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float):
-        """q_bits [KV, T, G, D] bf16 (contiguous); k_heads/v_heads: uint16 [KV, max_ctx, D] cache views
-        holding positions 0..T-1. Returns fp32 [KV, T, G, D]."""
+    def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float,
+                         q_offset: int = 0):
+        """q_bits [KV, T, G, D] bf16 (contiguous): queries at positions q_offset..q_offset+T-1;
+        k_heads/v_heads: uint16 [KV, max_ctx, D] cache views holding positions 0..q_offset+T-1.
+        Returns fp32 [KV, T, G, D]."""
         cp, lib = self.cp, self.lib
         kv, t, g, d = q_bits.shape
         out = cp.empty((kv, t, g, d), cp.float32)
-        qb = t if kv * g * t * t * 4 <= 2**30 else max(64, 2**30 // (kv * g * t * 4))
+        keys = q_offset + t
+        qb = t if kv * g * t * keys * 4 <= 2**30 else max(64, 2**30 // (kv * g * keys * 4))
         self._alpha[0] = scale
         h = self._handle()
         for s in range(0, t, qb):
             e = min(t, s + qb)
-            rows = (e - s) * g
-            scores = cp.empty((kv, rows, e), cp.float32)
-            lib.gemmStridedBatchedEx(h, OP_T, OP_N, e, rows, d, self._alpha.ctypes.data,
+            rows, cols = (e - s) * g, q_offset + e  # this block's queries see keys 0..q_offset+e-1
+            scores = cp.empty((kv, rows, cols), cp.float32)
+            lib.gemmStridedBatchedEx(h, OP_T, OP_N, cols, rows, d, self._alpha.ctypes.data,
                                      k_heads.data.ptr, R_16BF, d, ctx_stride * d,
                                      q_bits.data.ptr + s * g * d * 2, R_16BF, d, t * g * d,
-                                     self._zero.ctypes.data, scores.data.ptr, R_32F, e, rows * e,
+                                     self._zero.ctypes.data, scores.data.ptr, R_32F, cols, rows * cols,
                                      kv, COMPUTE_32F, GEMM_DEFAULT)
-            probs = cp.empty((kv, rows, e), cp.uint16)
-            self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(e), np.int32(g), np.int32(s)))
-            lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, e, self._one.ctypes.data,
+            probs = cp.empty((kv, rows, cols), cp.uint16)
+            self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
+                                                np.int32(q_offset + s)))
+            lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, cols, self._one.ctypes.data,
                                      v_heads.data.ptr, R_16BF, d, ctx_stride * d,
-                                     probs.data.ptr, R_16BF, e, rows * e,
+                                     probs.data.ptr, R_16BF, cols, rows * cols,
                                      self._zero.ctypes.data, out.data.ptr + s * g * d * 4, R_32F, d, t * g * d,
                                      kv, COMPUTE_32F, GEMM_DEFAULT)
         return out

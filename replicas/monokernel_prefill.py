@@ -5,11 +5,15 @@ cores when CUPY_TF32=1, which replicas.monokernel sets by default) rather than t
 decode kernel. Each layer's packed bf16 weights are widened to fp32 just before use. Keys and
 values are rounded to bf16 exactly as the decode kernel stores them, written into the cache
 [L][kv_heads][max_ctx][D], and the attention here uses those rounded values too.
+
+`run(ids, start=P)` continues a sequence whose positions 0..P-1 are already in the cache (an
+agent session's earlier turns): only ids[P:] are computed, attending to the cached keys too.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 QUERY_BLOCK = 1024  # query rows per attention block: bounds the score buffer
 
@@ -50,19 +54,24 @@ class Prefill:
             return x @ self.widen(w[:, :k]).T
         return self.blas.linear(self.cp.ascontiguousarray(self.narrow(x)), w, k)
 
-    def _attention(self, q, k_bits, v_bits, n: int):
-        """Causal GQA attention of q [T, NH, D] (roped, unscaled) over the cache rows 0..T-1 of layer n."""
+    def _attention(self, q, k_bits, v_bits, n: int, start: int = 0):
+        """Causal GQA attention of q [T, NH, D] (roped, unscaled) at positions start..start+T-1 over the
+        cache rows 0..start+T-1 of layer n (k_bits/v_bits: this pass's rows start.., as written)."""
         cp, c = self.cp, self.m.config
         T, NKV, G, D = q.shape[0], c.num_key_value_heads, c.group_size, c.head_dim
         scale = 1.0 / math.sqrt(D)
         if self.blas is not None:
             qb = cp.ascontiguousarray(self.narrow(q.reshape(T, NKV, G, D).transpose(1, 0, 2, 3)))
-            out = self.blas.causal_attention(qb, self.m.k_cache[n], self.m.v_cache[n], self.m.k_cache.shape[2], G, scale)
+            out = self.blas.causal_attention(qb, self.m.k_cache[n], self.m.v_cache[n], self.m.k_cache.shape[2], G, scale,
+                                             q_offset=start)
             return out.transpose(1, 0, 2, 3).reshape(T, NKV * G * D)
-        kf = self.widen(k_bits).transpose(1, 0, 2)  # [NKV, T, D]
+        if start:  # the earlier positions' keys/values exist only in the cache
+            k_bits = self.m.k_cache[n, :, :start + T].transpose(1, 0, 2)
+            v_bits = self.m.v_cache[n, :, :start + T].transpose(1, 0, 2)
+        kf = self.widen(k_bits).transpose(1, 0, 2)  # [NKV, start+T, D]
         vf = self.widen(v_bits).transpose(1, 0, 2)
         qg = (q * scale).reshape(T, NKV, G, D).transpose(1, 2, 0, 3)  # [NKV, G, T, D]
-        causal = cp.arange(T)[None, :] > cp.arange(T)[:, None]  # [T, T] True = masked
+        causal = cp.arange(start + T)[None, :] > (start + cp.arange(T))[:, None]  # [T, start+T] True = masked
         attn = cp.empty((NKV, G, T, D), cp.float32)
         for s in range(0, T, QUERY_BLOCK):
             e = min(T, s + QUERY_BLOCK)
@@ -86,17 +95,24 @@ class Prefill:
         a, b = x[..., :h], x[..., h:]
         return self.cp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
-    def run(self, ids, all_logits: bool = False):
-        """Prompt `ids` (positions 0..T-1) -> (last hidden state [H] fp32, logits [T, V] or None)."""
+    def run(self, ids, all_logits: bool = False, start: int = 0):
+        """Prompt `ids` -> (last hidden state [H] fp32, logits [len(ids) - start, V] or None).
+
+        start=P > 0: the cache already holds valid K/V for positions 0..P-1; only ids[P:] are
+        computed (positions P.., K/V written at rows P..), each attending to keys 0..its position."""
         cp, m = self.cp, self.m
         c, w = m.config, m.weights
-        T = len(ids)
+        if isinstance(start, bool) or not isinstance(start, numbers.Integral) or not 0 <= start < len(ids):
+            raise ValueError(f"start={start!r}: need 0 <= start < len(ids)={len(ids)} "
+                             "(the cached positions, leaving at least one token to compute)")
+        start, end = int(start), len(ids)
+        T = end - start  # rows computed in this pass
         H, Q, KV, I, D = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim
         NH, NKV = c.num_attention_heads, c.num_key_value_heads
-        ids_d = cp.asarray(ids, dtype=cp.int64)
+        ids_d = cp.asarray(ids[start:], dtype=cp.int64)
         x = self._f32(w["embed"][ids_d])  # [T, H]
-        cos = m.rope_cos[:T][:, None, :]
-        sin = m.rope_sin[:T][:, None, :]
+        cos = m.rope_cos[start:end][:, None, :]
+        sin = m.rope_sin[start:end][:, None, :]
         for n in range(c.num_hidden_layers):
             qkv = self._linear(self._rms(x, w["ln1"][n]), w["w_qkv"][n], H)
             if c.qkv_bias:
@@ -109,9 +125,9 @@ class Prefill:
                 k = self._rms(k, w["k_norm"][n])
             k_bits = self.narrow(self._rope(k, cos, sin))
             v_bits = self.narrow(v)
-            m.k_cache[n, :, :T, :] = k_bits.transpose(1, 0, 2)
-            m.v_cache[n, :, :T, :] = v_bits.transpose(1, 0, 2)
-            attn = self._attention(self._rope(q, cos, sin), k_bits, v_bits, n)
+            m.k_cache[n, :, start:end, :] = k_bits.transpose(1, 0, 2)
+            m.v_cache[n, :, start:end, :] = v_bits.transpose(1, 0, 2)
+            attn = self._attention(self._rope(q, cos, sin), k_bits, v_bits, n, start)
             x += self._linear(attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
             if c.o_bias:
                 x += w["o_bias"][n]
