@@ -204,9 +204,22 @@ def same_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _layout_defaults() -> dict:
+    import inspect
+
+    from replicas.layout import KernelLayout
+
+    params = inspect.signature(KernelLayout.from_config).parameters
+    return {n: v.default for n, v in params.items() if isinstance(v.default, (bool, int))} | {"l2_budget_mb": 0}
+
+
+_AB_KNOWN = _layout_defaults()
+
+
 def ab_options(name: str) -> dict:
-    """'fused_mlp+l2_budget_mb=24' -> {'fused_mlp': True, 'l2_budget': 24 << 20}: '+' joins options,
-    NAME=INT sets an integer option (l2_budget_mb in MiB)."""
+    """'x_perm=0+l2_budget_mb=24' -> {'x_perm': False, 'l2_budget': 24 << 20}: '+' joins options, NAME
+    alone turns a boolean on, NAME=N sets an integer (or 0/1 a boolean); l2_budget_mb is in MiB.
+    Each build is the engine's default (replicas/layout_tuned.py) with these on top."""
     opts: dict = {}
     for part in name.split("+"):
         key, eq, val = part.partition("=")
@@ -214,6 +227,8 @@ def ab_options(name: str) -> dict:
             opts[key] = True
         elif key == "l2_budget_mb":
             opts["l2_budget"] = int(val) << 20
+        elif isinstance(_AB_KNOWN.get(key), bool):
+            opts[key] = bool(int(val))
         else:
             opts[key] = int(val)
     return opts
@@ -262,7 +277,9 @@ def bench_ab(cp, args, bw: float, results: dict) -> None:
     print(table, flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "ab.md").write_text(f"copy bandwidth {bw / 1e12:.2f} TB/s\n\n" + table + "\n")
+        (Path(args.out) / "ab.md").write_text(f"copy bandwidth {bw / 1e12:.2f} TB/s; 'default' = the engine's default "
+                                              "layout (replicas/layout_tuned.py), each variant = default + its options\n\n"
+                                              + table + "\n")
         (Path(args.out) / "ab.json").write_text(json.dumps(results.get("ab", []), indent=1))
 
 
@@ -283,22 +300,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.ab:
-        import inspect
-
-        from replicas.layout import KernelLayout
-
-        params = inspect.signature(KernelLayout.from_config).parameters
-        known = {n: type(v.default) for n, v in params.items() if isinstance(v.default, (bool, int))} | {"l2_budget_mb": int}
         bad = []
         for name in args.ab:
             for part in name.split("+"):
                 key, eq, val = part.partition("=")
-                kind = known.get(key)
-                if kind is None or (kind is bool) == bool(eq) or (eq and not val.isdigit()):
+                if key not in _AB_KNOWN:
+                    bad.append(part)
+                elif isinstance(_AB_KNOWN[key], bool):
+                    if eq and val not in ("0", "1"):
+                        bad.append(part)
+                elif not (eq and val.isdigit()):
                     bad.append(part)
         if bad:
-            ap.error(f"--ab {' '.join(bad)}: not a layout option (boolean NAME or integer NAME=N); "
-                     f"choose from {', '.join(sorted(known))}")
+            ap.error(f"--ab {' '.join(bad)}: not a layout option (boolean NAME or NAME=0/1, integer NAME=N); "
+                     f"choose from {', '.join(sorted(_AB_KNOWN))}")
     import cupy as cp
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()

@@ -16,6 +16,7 @@ import numpy as np
 
 from replicas import layout as L
 from replicas.layout import KernelLayout
+from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
 from replicas.monokernel_weights import pack_weights, rope_tables
 
@@ -70,7 +71,9 @@ class GpuModel:
         self.max_context = int(max_context or min(config.max_context, 8192))
         with cp.cuda.Device(device):
             sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
-            self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms, **(layout_options or {}))
+            # the tuned single-GPU layout unless layout_options say otherwise (replicas/layout_tuned.py)
+            self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms,
+                                                   **engine_options(config, layout_options))
             try:
                 self._allocate(tensors, progress)
             except cp.cuda.memory.OutOfMemoryError as e:

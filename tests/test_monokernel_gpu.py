@@ -3,8 +3,9 @@ numpy reference engine, greedy decoding, seeded sampling, stops, cancel, limits.
 
 Run on the GPU machine:  python -m pytest -q -m gpu tests/test_monokernel_gpu.py
 (needs CuPy, torch and transformers; deselected in CI by the `gpu` marker).
-MK_TEST_LAYOUT=fused_mlp (comma-separated KernelLayout boolean options) runs every test on that
-layout variant instead of the default build.
+Every test runs on the engine's default layout (replicas/layout_tuned.py); MK_TEST_LAYOUT=x_perm=0,split_pos=64
+(comma-separated KernelLayout options: NAME turns a boolean on, NAME=N sets an integer or 0/1 a boolean)
+runs them on that variant instead (MK_TEST_LAYOUT=fused_mlp=0,fused_attn_o=0,x_perm=0,split_pos=64: the plain kernel).
 """
 
 from __future__ import annotations
@@ -18,7 +19,22 @@ pytestmark = pytest.mark.gpu
 
 TOL = 2e-2  # max |Δ| / max |ref| over all positions and the whole vocabulary
 POSITIONS = 288  # 16 through the prefill, 272 through the decode kernel
-LAYOUT = {name.strip(): True for name in os.environ.get("MK_TEST_LAYOUT", "").split(",") if name.strip()}
+
+
+def _layout_from_env(spec: str) -> dict:
+    import inspect
+
+    from replicas.layout import KernelLayout
+
+    plain = {n: v.default for n, v in inspect.signature(KernelLayout.from_config).parameters.items()}
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, val = part.partition("=")
+        out[key] = True if not eq else bool(int(val)) if isinstance(plain.get(key), bool) else int(val)
+    return out
+
+
+LAYOUT = _layout_from_env(os.environ.get("MK_TEST_LAYOUT", ""))
 
 
 def rel(a, b) -> float:

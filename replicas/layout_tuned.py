@@ -1,0 +1,34 @@
+"""The layout options the engines build with unless told otherwise: the measured best on an H200.
+
+`KernelLayout.from_config` stays a plain constructor (every option off unless asked for); this is
+the one place that decides what a `MonokernelEngine` compiles. Each entry was kept only after an
+A/B on the device (bench/decode.py --ab, same random weights, gpu tests passing on the build) made
+it faster on both llama-3.2-1b and llama-3.1-8b; figures in bench/RESULTS.md, reasons in csrc/NOTES.md.
+"""
+
+from __future__ import annotations
+
+from replicas import layout_fused
+from replicas.layout import CHUNK, THREADS, round_up
+from replicas.model import ModelConfig
+
+# Single GPU (2026-12-01, H200): fused_mlp + fused_attn_o 3 barriers/layer (+3.5% 1B, +6.0% 8B),
+# x_perm conflict-free input loads (+1.1% / +0.5% on top), split_pos 16 (+2.0% 1B: more, shorter
+# attention splits). Tensor-parallel builds keep the plain layout (the fused paths are tp=1 only).
+TUNED_SINGLE_GPU = {"fused_mlp": True, "fused_attn_o": True, "x_perm": True, "split_pos": 16}
+
+
+def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
+    """KernelLayout.from_config options for an engine: the tuned set for tp=1 where the model's shape
+    allows it, then `overrides` (explicit choices win; e.g. {"fused_mlp": False} for the plain MLP)."""
+    overrides = dict(overrides or {})
+    tuned: dict = {}
+    if overrides.get("tp", 1) == 1:
+        tuned = dict(TUNED_SINGLE_GPU)
+        threads = overrides.get("threads", THREADS)
+        warps = threads // 32 - int(bool(overrides.get("control_warp", False)))
+        if layout_fused.down_geometry(round_up(config.hidden_size, CHUNK), warps) is None:
+            del tuned["fused_mlp"]  # e.g. llama-3.2-3b: 12 chunk columns over 16 warps
+        if overrides.get("qkv_flags"):
+            del tuned["fused_attn_o"]  # fused_attn_o needs the QKV barrier
+    return {**tuned, **overrides}

@@ -1,0 +1,72 @@
+"""The engines' default layout (replicas/layout_tuned.py) and the tuning options it uses: which
+options each model gets, that every preset builds with them, that explicit choices win, that
+tensor-parallel builds keep the plain layout, and that the option flags reach the compiler only
+when set (the plain kernel's flags are unchanged)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from replicas.checkpoint import PRESETS, preset_config
+from replicas.layout import KernelLayout, LayoutError
+from replicas.layout_tuned import TUNED_SINGLE_GPU, engine_options
+from replicas.monokernel_build import kernel_source, nvcc_command
+from replicas.tp_shard import shard_config
+
+
+def flags(lay: KernelLayout) -> dict[str, str]:
+    return dict(f[2:].split("=", 1) for f in lay.compile_flags())
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_builds_with_the_engine_default(preset):
+    c = preset_config(preset)
+    opts = engine_options(c)
+    lay = KernelLayout.from_config(c, 4096, **opts)
+    assert lay.fused_attn_o and lay.x_perm and lay.split_pos == 16
+    # fused_mlp needs hidden/256 chunk columns to tile the 16 streaming warps (3072 -> 12 and 1536 -> 6 do not)
+    assert lay.fused_mlp == (preset not in ("llama-3.2-3b", "qwen2.5-1.5b"))
+    f = flags(lay)
+    assert f["MK_XPERM"] == "1" and f["MK_SPLIT_POS"] == "16" and f["MK_ATTN_O"] == "1"
+
+
+def test_explicit_choices_win_and_tp_keeps_the_plain_layout():
+    c = preset_config("llama-3.2-1b")
+    assert engine_options(c) == TUNED_SINGLE_GPU
+    plain = engine_options(c, {"fused_mlp": False, "fused_attn_o": False, "x_perm": False, "split_pos": 64})
+    assert not any(k in flags(KernelLayout.from_config(c, 4096, **plain)) for k in ("MK_FUSED_MLP", "MK_ATTN_O", "MK_XPERM", "MK_SPLIT_POS"))
+    assert engine_options(c, {"qkv_flags": True}).get("fused_attn_o") is None  # it needs the QKV barrier
+    tp = engine_options(shard_config(c, 2), {"tp": 2, "vocab_total": c.vocab_size})
+    assert tp == {"tp": 2, "vocab_total": c.vocab_size}
+    KernelLayout.from_config(shard_config(c, 2), 4096, **tp)
+
+
+def test_fused_builds_give_the_unused_staging_to_the_weight_ring():
+    c = preset_config("llama-3.2-1b")
+    plain = KernelLayout.from_config(c, 4096)
+    tuned = KernelLayout.from_config(c, 4096, **engine_options(c))
+    assert plain.act_floats == c.intermediate_size and plain.ring_slots == 24
+    assert tuned.act_floats < plain.act_floats and tuned.ring_slots == 26
+    assert tuned.smem_bytes <= 227 * 1024
+    assert KernelLayout.from_config(c, 4096, max_ring=16, **engine_options(c)).ring_slots == 16
+
+
+@pytest.mark.parametrize("bad, match", [({"split_pos": 0}, "split_pos=0"), ({"max_ring": 2}, "max_ring=2"),
+                                        ({"max_ring": 64}, "max_ring=64")])
+def test_bad_tuning_values_are_refused(bad, match):
+    with pytest.raises(LayoutError, match=match):
+        KernelLayout.from_config(preset_config("tiny"), 64, **bad)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
+@pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "llama-3.2-3b"])
+def test_engine_default_compiles_for_sm90a(preset, tmp_path):
+    c = preset_config(preset)
+    src = tmp_path / "mk.cu"
+    src.write_text(kernel_source())
+    lay = KernelLayout.from_config(c, 2048, **engine_options(c))
+    r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
