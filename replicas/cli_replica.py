@@ -46,9 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-s", type=float, default=1000.0, help="paced engine: output rate")
     p.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
     p.add_argument("--session-cache-mb", type=float, default=1024.0,
-                   help="reference engine: MiB of agent-session KV kept between turns (default 1024)")
+                   help="reference and single-GPU monokernel engines: MiB of agent-session KV kept between "
+                        "turns (default 1024; GPU memory on the monokernel)")
     p.add_argument("--max-sessions", type=int, default=64,
-                   help="reference engine: agent sessions kept between turns, LRU (default 64; 0 = no reuse)")
+                   help="reference and single-GPU monokernel engines: agent sessions kept between turns, LRU "
+                        "(default 64; 0 = no reuse)")
 
 
 def register(sub) -> None:
@@ -71,11 +73,11 @@ def make_engine(args: argparse.Namespace):
         return PacedEngine.from_pretrained(args.model, **kw) if args.model else PacedEngine(**kw)
     if not args.model:
         raise EngineUnavailable(f"--model DIR is required for --engine {args.engine}")
+    sessions = {"max_sessions": getattr(args, "max_sessions", 64),
+                "session_cache_bytes": int(getattr(args, "session_cache_mb", 1024.0) * 2**20)}
     if args.engine == "reference":
         from replicas.reference import ReferenceEngine
-        return ReferenceEngine.from_pretrained(
-            args.model, max_batch=args.max_batch, max_sessions=getattr(args, "max_sessions", 64),
-            session_cache_bytes=int(getattr(args, "session_cache_mb", 1024.0) * 2**20))
+        return ReferenceEngine.from_pretrained(args.model, max_batch=args.max_batch, **sessions)
     try:
         import cupy  # noqa: F401  (checked first: the monokernel module needs it)
     except ImportError:
@@ -88,7 +90,7 @@ def make_engine(args: argparse.Namespace):
             raise
         raise EngineUnavailable("this build has no monokernel engine (replicas/monokernel); "
                                 "use --engine reference") from None
-    return MonokernelEngine.from_pretrained(args.model, devices=args.devices)
+    return MonokernelEngine.from_pretrained(args.model, devices=args.devices, **sessions)  # ignored over TP
 
 
 def run(args: argparse.Namespace) -> int:

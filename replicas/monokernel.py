@@ -10,6 +10,11 @@ all layers) with no host round trip; each sampled token lands in pinned host-map
 which the generator polls and yields. Cancel writes a host-mapped flag the kernel reads every
 step. One generation at a time per engine (max_batch = 1). devices=[0..N-1] gives the
 tensor-parallel engine (replicas/monokernel_tp.py); resident small-batch decoding is issue 9.
+
+Agent sessions (`generate(..., session_id=...)`, single GPU): at the end of a generation the KV
+rows the kernel left valid are copied into GPU arrays of exactly that length and kept in a
+`SessionCache`; the session's next turn copies the common prefix back into the engine's cache and
+prefills only the rest (`Prefill.run(ids, start=reused)`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import time
 import weakref
 from collections.abc import Generator as PyGenerator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +43,14 @@ from replicas.engine import (
 )
 from replicas.model import ModelConfig
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable  # noqa: F401 (re-exported)
+from replicas.reference import _GenerationInfo
+from replicas.session_cache import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_SESSIONS,
+    SessionCache,
+    SessionLease,
+    SessionStats,
+)
 
 POLL_SECONDS = 20e-6  # host poll interval for new tokens (a decode step is ~0.6-4 ms)
 TEACHER_PREFILL = 16  # forward_logits prefills this many tokens; the kernel decodes the rest
@@ -51,7 +66,11 @@ class MonokernelEngine:
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0,),
                  max_context: int | None = None, progress: bool | None = None,
-                 layout_options: dict | None = None):
+                 layout_options: dict | None = None, *, session_cache_bytes: int = DEFAULT_MAX_BYTES,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS):
+        """Agent sessions' KV is kept between turns (in GPU memory) within `session_cache_bytes` /
+        `max_sessions` (replicas.session_cache; max_sessions=0 turns reuse off)."""
+        self.sessions = SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before the GPU work
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: MonokernelEngine(...) decodes on one GPU; for tensor "
@@ -72,24 +91,28 @@ class MonokernelEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
-                        progress: bool | None = None, layout_options: dict | None = None) -> MonokernelEngine:
-        """layout_options: extra KernelLayout.from_config options (tuning variants, e.g. fused_mlp=True)."""
+                        progress: bool | None = None, layout_options: dict | None = None, *,
+                        session_cache_bytes: int = DEFAULT_MAX_BYTES,
+                        max_sessions: int = DEFAULT_MAX_SESSIONS) -> MonokernelEngine:
+        """layout_options: extra KernelLayout.from_config options (tuning variants, e.g. fused_mlp=True).
+        session_cache_bytes / max_sessions: see __init__; ignored over several GPUs (no session reuse)."""
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
         devices = list(devices)
         config = ModelConfig.from_pretrained(path)
         engine_cls = cls
+        sessions = {"session_cache_bytes": session_cache_bytes, "max_sessions": max_sessions}
         if len(devices) > 1:  # tensor parallelism over the GPUs (replicas/monokernel_tp.py)
             from replicas.monokernel_tp import TpMonokernelEngine
             from replicas.tp_shard import check_tp
 
             check_tp(config, len(devices))  # before reading gigabytes
-            engine_cls = TpMonokernelEngine
+            engine_cls, sessions = TpMonokernelEngine, {}
         import_cupy()  # fail fast with a clear message before reading gigabytes
         tensors = load_weights(path, config, dtype="raw", progress=progress)
         return engine_cls(config, tensors, devices=devices, max_context=max_context, progress=progress,
-                          layout_options=layout_options)
+                          layout_options=layout_options, **sessions)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:
@@ -97,10 +120,46 @@ class MonokernelEngine:
             raise EngineBusy("the monokernel engine is decoding another generation (max_batch=1); "
                              "retry when it finishes")
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False):
-        """Prompt -> (last hidden state on the GPU, logits [T, V] on the GPU or None)."""
+    def prefill(self, ids: Sequence[int], all_logits: bool = False, start: int = 0):
+        """Prompt -> (last hidden state on the GPU, logits [T - start, V] on the GPU or None); start > 0:
+        the cache already holds positions 0..start-1 (see Prefill.run)."""
         with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
-            return self._prefill.run(list(ids), all_logits=all_logits)
+            return self._prefill.run(list(ids), all_logits=all_logits, start=start)
+
+    def session_stats(self) -> SessionStats:
+        """Session KV reuse counters and what is resident now."""
+        return self.sessions.stats()
+
+    def _restore(self, lease: SessionLease | None) -> int:
+        """Copy a session's stored KV rows [0, reused) into the engine's cache; returns how many."""
+        if lease is None or lease.kv is None:
+            return 0
+        r = lease.reused
+        with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:  # ordered before the prefill
+            self.gpu.k_cache[:, :, :r] = lease.kv.k[:, :, :r]
+            self.gpu.v_cache[:, :, :r] = lease.kv.v[:, :, :r]
+        return r
+
+    def _keep(self, lease: SessionLease, ids: list[int], reason: FinishReason, count: int) -> bool:
+        """After a finished kernel: store the cache rows whose KV is valid as the session's entry.
+
+        The kernel feeds a token through the layers (writing its K/V) only at a step that did not
+        end the generation: on LENGTH the last emitted token never was; on STOP every emitted token
+        was (the stop token is neither emitted nor fed). False = not kept (caller discards)."""
+        gpu, cp = self.gpu, self.gpu.cp
+        n = len(ids) + count - (1 if reason is FinishReason.LENGTH else 0)
+        c = self.config
+        nbytes = 2 * c.num_hidden_layers * c.num_key_value_heads * n * c.head_dim * 2  # K and V, bf16
+        if nbytes > self.sessions.max_bytes or self.sessions.max_sessions == 0:
+            return False  # would be evicted at once: skip the copy
+        tokens = ids + [int(t) for t in gpu.host_tokens.array[:n - len(ids)]]
+        try:
+            with cp.cuda.Device(gpu.device), gpu.stream:
+                kv = _SessionKV(gpu.k_cache[:, :, :n].copy(), gpu.v_cache[:, :, :n].copy())
+        except cp.cuda.memory.OutOfMemoryError:
+            return False  # keeping the KV is an optimisation: the turn itself succeeded
+        self.sessions.release(lease, kv, tokens, kv.nbytes)
+        return True
 
     # ---- Engine protocol -------------------------------------------------------------------
     def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
@@ -125,7 +184,14 @@ class MonokernelEngine:
         finally:
             self._busy.release()
 
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 session_id: str | None = None) -> Generation:
+        """Start a generation; raises InvalidRequest (bad input) or EngineBusy. With `session_id`, the
+        KV that session's previous turn left is reused for the common prefix (only the rest is
+        prefilled) and this turn's KV is kept for the next one (not after a cancel or an error)."""
+        return self._start(prompt_ids, params, session_id)
+
+    def _start(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: str | None) -> Generation:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         ids = validate_prompt(prompt_ids, params, self.config, self.max_context)
@@ -135,19 +201,25 @@ class MonokernelEngine:
                                  f"{L.MAX_STOP_IDS}")
         self._take()
         release = _Once(self._busy.release)
-        gen = _MkGeneration(lambda cancel: self._steps(ids, params, stops, cancel, release), release)
+        info = _GenerationInfo()
+        gen = _MkGeneration(lambda cancel: self._steps(ids, params, stops, cancel, release, session_id, info),
+                            release, info)
         weakref.finalize(gen, release)  # a generation dropped before it started frees the engine
         return gen
 
     def _steps(self, ids: list[int], params: SamplingParams, stops: list[int], cancel: threading.Event,
-               release) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
+               release, session_id: str | None,
+               info: _GenerationInfo) -> PyGenerator[int, None, tuple[FinishReason, int | None]]:
         gpu = self.gpu
-        launched = False
+        launched = kept = False
+        lease = None
         try:
+            lease = self.sessions.acquire(session_id, ids) if session_id else None
             if cancel.is_set():
                 return FinishReason.CANCELLED, None
             budget = min(params.max_tokens, self.max_context - len(ids))
-            x_last, _ = self.prefill(ids)
+            info.reused_tokens = start = self._restore(lease)
+            x_last, _ = self.prefill(ids, start=start)
             if params.greedy:
                 mode = L.MODE_GREEDY
             elif params.top_k == 0 and params.top_p >= 1.0:
@@ -180,11 +252,15 @@ class MonokernelEngine:
             gpu.synchronize()
             launched = False
             reason = _STATUS.get(int(ctrl[L.CTRL_STATUS]), FinishReason.LENGTH)
+            if lease is not None and reason is not FinishReason.CANCELLED:
+                kept = self._keep(lease, ids, reason, int(ctrl[L.CTRL_COUNT]))
             return reason, (int(ctrl[L.CTRL_STOP_TOKEN]) if reason is FinishReason.STOP else None)
         finally:
             if launched:  # closed early: stop the kernel and wait for it before freeing the engine
                 gpu.host_ctrl.array[L.CTRL_CANCEL] = 1
                 gpu.synchronize()
+            if lease is not None and not kept:  # cancelled, closed or failed: which rows are valid is unknown
+                self.sessions.discard(lease)
             release()
 
 
@@ -201,10 +277,27 @@ class _Once:
             fn()
 
 
+@dataclass
+class _SessionKV:
+    """A session's stored KV: copies of the cache rows [0, n), [L][kv_heads][n][D] bf16 bits on the GPU."""
+
+    k: Any
+    v: Any
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
 class _MkGeneration(Generation):
-    def __init__(self, steps, release: _Once):
+    def __init__(self, steps, release: _Once, info: _GenerationInfo):
         super().__init__(steps)
         self._release = release
+        self.info = info
+
+    @property
+    def reused_tokens(self) -> int:
+        return self.info.reused_tokens
 
     def close(self) -> None:
         super().close()

@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
-from replicas.engine import validate_teacher_ids
+from replicas.engine import Generation, SamplingParams, validate_teacher_ids
 from replicas.model import ModelConfig
 from replicas.monokernel import TEACHER_PREFILL, MonokernelEngine
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable, import_cupy
@@ -145,7 +145,11 @@ class GpuGroup:
 
 
 class TpMonokernelEngine(MonokernelEngine):
-    """Engine protocol over N GPUs (kind="monokernel"); built by MonokernelEngine for devices=[..N]."""
+    """Engine protocol over N GPUs (kind="monokernel"); built by MonokernelEngine for devices=[..N].
+    No agent-session KV reuse (the sharded prefill always starts at position 0): `generate` takes
+    no session_id, so accepts_session_id() is False, and there is no session_stats."""
+
+    session_stats = None  # callers probe getattr(engine, "session_stats", None)
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0, 1),
                  max_context: int | None = None, progress: bool | None = None,
@@ -162,8 +166,13 @@ class TpMonokernelEngine(MonokernelEngine):
         self._busy = threading.Lock()
         self.profile = None
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False):
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        return self._start(prompt_ids, params, None)
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False, start: int = 0):
         """Prompt -> (per-rank last hidden states, logits [T, V] on GPU 0 or None)."""
+        if start:
+            raise ValueError("the tensor-parallel prefill cannot continue cached positions (start must be 0)")
         return self.gpu.prefill(list(ids), all_logits=all_logits)
 
     def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
