@@ -15,16 +15,52 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 QUERY_BLOCK = 1024  # query rows per attention block: bounds the score buffer
+
+
+_BF16_RNE = "unsigned int u = __float_as_uint(v); y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);"
+
+# Short prompts are bound by the host's per-operation launch cost (CuPy), not by the GPU: one
+# kernel each for RMSNorm, RoPE and SiLU*up instead of 5-8 elementwise operations (same math).
+_FUSED = r"""
+extern "C" __global__ void mk_rms_rows(const float* __restrict__ x, const float* __restrict__ w,
+                                       float* __restrict__ y, int n, float eps) {
+  // One block per row of n: y = x / sqrt(mean(x^2) + eps) * w.
+  const float* xr = x + (long long)blockIdx.x * n;
+  float* yr = y + (long long)blockIdx.x * n;
+  __shared__ float red[32];
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+  for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+  for (int k = 0; k < (int)(blockDim.x >> 5); k++) ss += red[k];
+  const float r = 1.f / sqrtf(ss / n + eps);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * r * w[i];
+}
+extern "C" __global__ void mk_rope_rows(const float* __restrict__ x, const float* __restrict__ cs,
+                                        const float* __restrict__ sn, float* __restrict__ y,
+                                        int heads, int d, long long total) {
+  // x, y contiguous [T][heads][d];
+  // cs, sn [T][d/2]: rotate-half RoPE like replicas.reference.
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int half = d / 2, j = (int)(i % d);
+  const long long t = i / ((long long)heads * d), base = i - j;
+  const int k = j < half ? j : j - half;
+  const float a = x[base + k], b = x[base + k + half], c = cs[t * half + k], s = sn[t * half + k];
+  y[i] = j < half ? a * c - b * s : b * c + a * s;
+}
+"""
 
 
 def _kernels(cp):
     widen = cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
                                  "mk_bf16_to_f32")
-    narrow = cp.ElementwiseKernel(
-        "float32 x", "uint16 y",
-        "unsigned int u = __float_as_uint(x); y = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)",
-        "mk_f32_to_bf16")
+    narrow = cp.ElementwiseKernel("float32 v", "uint16 y", _BF16_RNE, "mk_f32_to_bf16")
     return widen, narrow
 
 
@@ -47,12 +83,27 @@ class Prefill:
 
             self.widen, self.narrow = _kernels(xp)
             self.blas = Blas(xp)
+            mod = xp.RawModule(code=_FUSED)
+            self._rms_k, self._rope_k = mod.get_function("mk_rms_rows"), mod.get_function("mk_rope_rows")
+            # gu [T, I, 2] (gate, up) -> bf16 SiLU(gate) * up, the down projection's input
+            self._silu_mul = xp.ElementwiseKernel("float32 gate, float32 up", "uint16 y",
+                                                  "float v = gate / (1.0f + expf(-gate)) * up; " + _BF16_RNE,
+                                                  "mk_silu_mul_bf16")
 
     def _linear(self, x, w, k: int):
-        """x fp32 [T, K] @ w[:, :K]^T (w: packed bf16 rows) -> fp32; bf16 tensor cores on the GPU."""
+        """x fp32 [T, K] (or bf16 bits) @ w[:, :K]^T (w: packed bf16 rows) -> fp32; bf16 tensor cores on the GPU."""
         if self.blas is None:
-            return x @ self.widen(w[:, :k]).T
-        return self.blas.linear(self.cp.ascontiguousarray(self.narrow(x)), w, k)
+            return (self.widen(x) if x.dtype == self.cp.uint16 else x) @ self.widen(w[:, :k]).T
+        xb = x if x.dtype == self.cp.uint16 else self.narrow(x)
+        return self.blas.linear(self.cp.ascontiguousarray(xb), w, k)
+
+    def _silu_up(self, gu):
+        """gu fp32 [T, I, 2] (gate, up) -> SiLU(gate) * up [T, I]: fp32 on the CPU, on the GPU already
+        as the bf16 bits its GEMM reads (one kernel)."""
+        g, u = gu[..., 0], gu[..., 1]
+        if self.blas is None:
+            return g / (1.0 + self.cp.exp(-g)) * u
+        return self._silu_mul(g, u)
 
     def _attention(self, q, k_bits, v_bits, n: int, start: int = 0):
         """Causal GQA attention of q [T, NH, D] (roped, unscaled) at positions start..start+T-1 over the
@@ -87,11 +138,25 @@ class Prefill:
 
     def _rms(self, x, w):
         cp = self.cp
+        if self.blas is not None and x.flags.c_contiguous:
+            n = x.shape[-1]
+            y = cp.empty_like(x)
+            self._rms_k((x.size // n,), (256,), (x, cp.ascontiguousarray(w, cp.float32), y, np.int32(n),
+                                                 np.float32(self.m.config.rms_norm_eps)))
+            return y
         ms = cp.mean(x * x, axis=-1, keepdims=True)
         return x * (1.0 / cp.sqrt(ms + self.m.config.rms_norm_eps)) * w
 
     def _rope(self, x, cos, sin):
         h = x.shape[-1] // 2
+        if self.blas is not None and cos.shape[0] == x.shape[0] and cos.flags.c_contiguous:
+            cp = self.cp
+            xc = cp.ascontiguousarray(x)
+            y = cp.empty_like(xc)
+            total = xc.size
+            self._rope_k(((total + 255) // 256,), (256,), (xc, cos, sin, y, np.int32(x.shape[1]), np.int32(x.shape[2]),
+                                                            np.int64(total)))
+            return y
         a, b = x[..., :h], x[..., h:]
         return self.cp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
@@ -132,8 +197,7 @@ class Prefill:
             if c.o_bias:
                 x += w["o_bias"][n]
             gu = self._linear(self._rms(x, w["ln2"][n]), w["w_gu"][n].reshape(2 * I, -1), H).reshape(T, I, 2)
-            g, u = gu[..., 0], gu[..., 1]
-            x += self._linear(g / (1.0 + cp.exp(-g)) * u, w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
+            x += self._linear(self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
         logits = None
         if all_logits:
             logits = self._linear(self._rms(x, w["lnf"]), w["w_lm"], H)
