@@ -4,22 +4,9 @@
 # default, then the monokernel gpu tests on the default. Everything under $OUT.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash bench/h200_official_run.sh")
 set -u
-: "${OUT:?set OUT}"
 DEADLINE=${DEADLINE:-585}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-git log --oneline -1 > "$OUT/summary.txt" 2>/dev/null
+. bench/device_stage.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/summary.txt" 2>&1
-PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 150"
-stage() {  # name, seconds, command... (env assignments go before `stage`)
-  local name=$1 secs=$2; shift 2
-  local left=$((DEADLINE - SECONDS - 5))
-  if [ "$left" -lt "$secs" ]; then secs=$left; fi
-  if [ "$secs" -lt 15 ]; then echo "$name skipped (out of time)" >> "$OUT/summary.txt"; return; fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - t0))s of ${secs}s (rc 124 = timed out)" >> "$OUT/summary.txt"
-}
 stage decode 300 python3 bench/decode.py --presets llama-3.2-1b llama-3.1-8b --runs 5 --ttft 32 512 2000 --out "$OUT/dec"
 stage ab_1b 100 python3 bench/decode.py --presets llama-3.2-1b --runs 3 --new-tokens 256 --out "$OUT/ab" \
   --ab split_pos=8 split_pos=32 fused_mlp=0+fused_attn_o=0+x_perm=0+split_pos=64

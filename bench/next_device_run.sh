@@ -10,24 +10,9 @@
 # decode.md tables), the five stage logs, ab.json and decode.json.
 # Run from the repository root with `.whl` carried (scripts/fetch_device_wheels.sh makes it).
 set -u
-: "${OUT:?set OUT}"
 DEADLINE=${DEADLINE:-580}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-git log --oneline -1 > "$OUT/summary.txt" 2>/dev/null
+. bench/device_stage.sh
 RES=/tmp/mk_results; mkdir -p "$RES"  # decode.py's outputs; the jsons are copied to $OUT at the end
-# pytest-timeout may be missing on the device (the stage `timeout` bounds the run either way)
-PT=""; python3 -c "import pytest_timeout" 2>/dev/null && PT="--timeout 180"
-stage() {  # name, seconds, command... (env assignments go before `stage`)
-  local name=$1 secs=$2; shift 2
-  local left=$((DEADLINE - SECONDS - 5))
-  if [ "$left" -lt "$secs" ]; then secs=$left; fi
-  if [ "$secs" -lt 15 ]; then echo "$name skipped (out of time)" >> "$OUT/summary.txt"; return; fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc $((SECONDS - t0))s of ${secs}s (rc 124 = timed out)" >> "$OUT/summary.txt"
-}
 PYTEST="python3 -m pytest -v -m gpu -x $PT --durations=10 -p no:cacheprovider"
 
 stage tp_smoke 75 python3 bench/tp_smoke.py --tp 2
