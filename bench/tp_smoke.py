@@ -19,6 +19,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def cancel_after(engine, k: int):
+    """A long greedy generation cancelled once `k` tokens arrived: (tokens received, generation)."""
+    from replicas.engine import SamplingParams
+
+    gen = engine.generate([1, 2], SamplingParams(max_tokens=400, ignore_eos=True))
+    got = []
+    for tok in gen:
+        got.append(tok)
+        if len(got) == k:
+            gen.cancel()
+    return got, gen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
@@ -43,12 +56,7 @@ def main() -> None:
                     ("gumbel", SamplingParams(max_tokens=32, ignore_eos=True, seed=7, temperature=1.3))]:
         x, y = list(one.generate([3, 4, 5], p)), list(many.generate([3, 4, 5], p))
         print(json.dumps({"check": name, "equal": x == y, "tp1": x[:12], "tpN": y[:12]}), flush=True)
-    gen = many.generate([1, 2], SamplingParams(max_tokens=400, ignore_eos=True))
-    got = []
-    for tok in gen:
-        got.append(tok)
-        if len(got) == 3:
-            gen.cancel()
+    got, gen = cancel_after(many, 3)
     after = list(many.generate([1], SamplingParams(max_tokens=2, ignore_eos=True)))
     print(json.dumps({"check": "cancel", "tokens": len(got), "reason": str(gen.finish_reason), "after": len(after)}),
           flush=True)

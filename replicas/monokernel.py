@@ -93,26 +93,30 @@ class MonokernelEngine:
     def from_pretrained(cls, path: str | Path, devices: Sequence[int] = (0,), max_context: int | None = None,
                         progress: bool | None = None, layout_options: dict | None = None, *,
                         session_cache_bytes: int = DEFAULT_MAX_BYTES,
-                        max_sessions: int = DEFAULT_MAX_SESSIONS) -> MonokernelEngine:
+                        max_sessions: int = DEFAULT_MAX_SESSIONS,
+                        emulate_on_one_gpu: bool = False) -> MonokernelEngine:
         """layout_options: extra KernelLayout.from_config options (tuning variants, e.g. fused_mlp=True).
-        session_cache_bytes / max_sessions: see __init__; ignored over several GPUs (no session reuse)."""
+        session_cache_bytes / max_sessions: see __init__; ignored over several GPUs (no session reuse).
+        emulate_on_one_gpu: devices=[g] * N runs the N-GPU engine's ranks side by side on GPU g
+        (replicas/monokernel_tp.py; a protocol and numerics check, not a speed one)."""
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
         devices = list(devices)
         config = ModelConfig.from_pretrained(path)
         engine_cls = cls
-        sessions = {"session_cache_bytes": session_cache_bytes, "max_sessions": max_sessions}
-        if len(devices) > 1:  # tensor parallelism over the GPUs (replicas/monokernel_tp.py)
-            from replicas.monokernel_tp import TpMonokernelEngine
+        extra = {"session_cache_bytes": session_cache_bytes, "max_sessions": max_sessions}
+        if len(devices) > 1 or emulate_on_one_gpu:  # tensor parallelism (replicas/monokernel_tp.py)
+            from replicas.monokernel_tp import TpMonokernelEngine, check_devices
             from replicas.tp_shard import check_tp
 
             check_tp(config, len(devices))  # before reading gigabytes
-            engine_cls, sessions = TpMonokernelEngine, {}
+            check_devices(devices, emulate_on_one_gpu)
+            engine_cls, extra = TpMonokernelEngine, {"emulate_on_one_gpu": emulate_on_one_gpu}
         import_cupy()  # fail fast with a clear message before reading gigabytes
         tensors = load_weights(path, config, dtype="raw", progress=progress)
         return engine_cls(config, tensors, devices=devices, max_context=max_context, progress=progress,
-                          layout_options=layout_options, **sessions)
+                          layout_options=layout_options, **extra)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:

@@ -53,15 +53,22 @@ def nvcc_command(layout: KernelLayout, src: Path, out: Path) -> list[str]:
             "-cubin", "-Xptxas", "-v", *layout.compile_flags(), "-o", str(out), str(src)]
 
 
-def load_module(layout: KernelLayout):
-    """Compile (or load from CuPy's cache) the monokernel for `layout`; returns the kernel."""
+def load_module(layout: KernelLayout, cooperative: bool = True):
+    """Compile (or load from CuPy's cache) the monokernel for `layout`; returns the kernel.
+    cooperative=False: launched plainly (the kernel's own barriers then rely on every block being
+    resident, which holds while the grid's blocks fit the SMs left free)."""
     import cupy as cp
 
     code, options = kernel_source(), nvrtc_options(layout)
-    try:  # cooperative launch: the driver guarantees all blocks are co-resident (grid barriers)
-        kernel = cp.RawModule(code=code, options=options, enable_cooperative_groups=True).get_function("monokernel")
-    except Exception as coop_error:  # noqa: BLE001 - retried plainly; a real compile error re-raises there
+    kernel = coop_error = None
+    if cooperative:
+        try:  # cooperative launch: the driver guarantees all blocks are co-resident (grid barriers)
+            kernel = cp.RawModule(code=code, options=options, enable_cooperative_groups=True).get_function("monokernel")
+        except Exception as e:  # noqa: BLE001 - retried plainly; a real compile error re-raises there
+            coop_error = e
+    if kernel is None:
         kernel = cp.RawModule(code=code, options=options).get_function("monokernel")
-        warnings.warn(f"cooperative launch unavailable ({coop_error!r}); launching one block per SM plainly")
+        if coop_error is not None:
+            warnings.warn(f"cooperative launch unavailable ({coop_error!r}); launching one block per SM plainly")
     kernel.max_dynamic_shared_size_bytes = layout.smem_bytes
     return kernel

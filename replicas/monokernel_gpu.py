@@ -62,15 +62,29 @@ class MappedInts:
             pass
 
 
+def grid_blocks(device_sms: int, num_sms: int | None) -> int:
+    """The kernel's grid (one block per SM): every SM of the device, or `num_sms` of them."""
+    if num_sms is None:
+        return device_sms
+    if not 1 <= num_sms <= device_sms:
+        raise ValueError(f"num_sms={num_sms}: the grid must be 1..{device_sms} blocks (the device's SMs; "
+                         "one block per SM, all resident)")
+    return int(num_sms)
+
+
 class GpuModel:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], device: int = 0,
                  max_context: int | None = None, progress: bool | None = None,
-                 layout_options: dict | None = None):
+                 layout_options: dict | None = None, num_sms: int | None = None,
+                 cooperative: bool = True):
+        """num_sms: the grid (default every SM; fewer leaves SMs to other kernels, e.g. the other
+        ranks of monokernel_tp's one-GPU emulation). cooperative=False: ordinary launches (the
+        emulation's concurrent grids rely on ordinary concurrent-kernel scheduling)."""
         cp = import_cupy()
         self.cp, self.config, self.device = cp, config, device
         self.max_context = int(max_context or min(config.max_context, 8192))
         with cp.cuda.Device(device):
-            sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+            sms = grid_blocks(cp.cuda.Device(device).attributes["MultiProcessorCount"], num_sms)
             # the tuned single-GPU layout unless layout_options say otherwise (replicas/layout_tuned.py)
             self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms,
                                                    **engine_options(config, layout_options))
@@ -84,7 +98,7 @@ class GpuModel:
             from replicas.monokernel_build import load_module
 
             t0 = time.perf_counter()
-            self.kernel = load_module(self.layout)
+            self.kernel = load_module(self.layout, cooperative=cooperative)
             self.compile_seconds = time.perf_counter() - t0
             self.stream = cp.cuda.Stream(non_blocking=True)
 
@@ -126,13 +140,15 @@ class GpuModel:
     def launch(self, x_last, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None, logits=None,
-               profile=None) -> None:
+               profile=None, defer: bool = False) -> None:
         """Start the persistent kernel (asynchronously) on `self.stream`.
 
         x_last: the prompt's last hidden state [H] fp32 (CuPy). forced: teacher-forced tokens
         (then `logits` [max_steps, V] receives every step's logits). profile: optional CuPy uint64[13]
         receiving ns per phase kind (LM+sample, QKV, attention, O, gate/up, down), the step count,
         then the part of each phase block 0 spent waiting in the grid barrier.
+        defer: set up inputs and the parameter block only; `start_kernel()` launches later
+        (monokernel_tp.GpuGroup prepares every rank before starting any kernel).
         """
         cp, lay, w = self.cp, self.layout, self.work
         if len(stop_ids) > L.MAX_STOP_IDS:
@@ -181,6 +197,13 @@ class GpuModel:
                 else:
                     slots[i] = np.uint64(int(scalars[name]) & (2**64 - 1))
             self.params_dev.set(slots, stream=self.stream)
+        if not defer:
+            self.start_kernel()
+
+    def start_kernel(self) -> None:
+        """The kernel on `self.stream`, reading the parameter block `launch` wrote."""
+        lay = self.layout
+        with self.cp.cuda.Device(self.device), self.stream:
             self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
 
     def synchronize(self) -> None:

@@ -9,10 +9,27 @@ one persistent cooperative kernel per GPU, launched back to back from this threa
 all-reduce over NVLink among themselves and agree on every token; no host on the token path.
 Tokens stream from GPU 0's host-mapped buffer; cancel is written to GPU 0's host flag and GPU 0
 forwards it to its peers inside the step's token message, so every GPU stops at the same step.
+
+One-GPU emulation (`emulate_on_one_gpu=True`, devices = one GPU repeated N times, e.g. [0, 0]):
+the N ranks' kernels (the TP=N code) run side by side on one GPU, each on its own stream with a
+grid of SMs // N blocks (one block per SM fills the SM's shared memory, so the N grids take
+disjoint SMs and all their blocks are resident at once), each rank with its own buffers; the
+"peer" pointers are then addresses on the same GPU. The kernels are launched plainly (not
+cooperatively): concurrency of cooperative grids on one device is not something the driver
+promises. Compile-time k-splits follow the smaller grid (tiny's flags equal the real N-GPU
+build's; larger models get smaller split factors). This checks the exchange protocol (flags,
+counters, buffer reuse, the token and cancel messages) and the numerics against TP=1 -- not
+speed: no NVLink, 1/N of the SMs per rank, and the sharded prefill runs rank after rank.
+Supported N: 2, 4, 8 where check_tp allows. More streams than CUDA's hardware queues
+(CUDA_DEVICE_MAX_CONNECTIONS, default 8) can put two ranks in one queue, serialized: set it to
+32 before CUDA starts for N = 8. A hang (a protocol bug, or grids that cannot all run at once)
+spins forever: run under `timeout`.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 
@@ -24,6 +41,28 @@ from replicas.monokernel import TEACHER_PREFILL, MonokernelEngine
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable, import_cupy
 from replicas.tp_prefill import ShardedPrefill
 from replicas.tp_shard import check_tp, shard_config, shard_tensors
+
+
+def check_devices(devices: Sequence[int], emulate_on_one_gpu: bool = False) -> None:
+    """Raise ValueError unless `devices` suits the group: distinct GPUs, or with emulation one GPU
+    named once per rank (checked before any GPU work)."""
+    devices, n = list(devices), len(devices)
+    if not emulate_on_one_gpu:
+        if len(set(devices)) != n:
+            raise ValueError(f"devices={devices} repeats a GPU; to emulate {n} ranks on one GPU (checks the "
+                             "protocol and numerics, not speed) pass emulate_on_one_gpu=True")
+        return
+    if n < 2:
+        raise ValueError(f"emulate_on_one_gpu needs at least 2 ranks, got devices={devices}; "
+                         "name the GPU once per rank, e.g. devices=[0, 0]")
+    if len(set(devices)) != 1:
+        raise ValueError(f"emulate_on_one_gpu runs every rank on one GPU, but devices={devices} names "
+                         f"{len(set(devices))}; use devices=[{devices[0]}] * {n}")
+
+
+def emulated_sms(device_sms: int, n: int) -> int:
+    """Blocks per rank when `n` ranks share one GPU of `device_sms` SMs: N grids side by side."""
+    return device_sms // n
 
 
 def enable_peer_access(cp, devices: Sequence[int]) -> None:
@@ -49,21 +88,30 @@ class GpuGroup:
     where MonokernelEngine's generation loop uses it (host_ctrl, host_tokens, synchronize)."""
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int], max_context: int | None = None,
-                 progress: bool | None = None, layout_options: dict | None = None):
-        cp = import_cupy()
-        self.cp, self.config, self.devices = cp, config, list(devices)
+                 progress: bool | None = None, layout_options: dict | None = None,
+                 emulate_on_one_gpu: bool = False):
+        """emulate_on_one_gpu: the N ranks on the one GPU `devices` repeats (module docstring)."""
+        self.config, self.devices, self.emulated = config, list(devices), bool(emulate_on_one_gpu)
         n = len(self.devices)
         check_tp(config, n)
-        if len(set(self.devices)) != n:
-            raise ValueError(f"devices={self.devices} repeats a GPU")
-        enable_peer_access(cp, self.devices)
+        check_devices(self.devices, self.emulated)
+        cp = self.cp = import_cupy()
+        grid = None
+        if self.emulated:  # no peer access to enable: the "peers" are this GPU
+            grid = emulated_sms(cp.cuda.Device(self.devices[0]).attributes["MultiProcessorCount"], n)
+            queues = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+            if n >= queues:
+                warnings.warn(f"{n} emulated ranks and CUDA_DEVICE_MAX_CONNECTIONS={queues}: two ranks' streams may "
+                              "share a hardware queue and hang; set it to 32 before CUDA starts")
+        else:
+            enable_peer_access(cp, self.devices)
         local = shard_config(config, n)
         opts = {**(layout_options or {}), "tp": n, "vocab_total": config.vocab_size}
         self.models = []
         for r, d in enumerate(self.devices):
             shard = {k: self._to_device(a, d) for k, a in shard_tensors(config, tensors, n, r).items()}
             self.models.append(GpuModel(local, shard, device=d, max_context=max_context, progress=progress,
-                                        layout_options=opts))
+                                        layout_options=opts, num_sms=grid, cooperative=not self.emulated))
             del shard
         sms = {m.layout.num_sms for m in self.models}
         if len(sms) != 1:  # exchange counters count blocks: every GPU must run the same grid
@@ -109,11 +157,17 @@ class GpuGroup:
             stack.enter_context(self.cp.cuda.Device(m.device))
             stack.enter_context(m.stream)
             yield
+            if self.emulated:
+                # ranks sharing a GPU share its cuBLAS handle (one workspace) and memory pool, and
+                # read each other's arrays without copies: finish a rank's work before the next's
+                m.stream.synchronize()
 
     def to(self, a, rank: int):
         """A copy of CuPy array `a` (finished on its own device's stream) on rank `rank`'s device."""
         cp, m = self.cp, self.models[rank]
         if a.device.id == m.device:
+            if self.emulated:  # `a` may come from another rank's stream on this device
+                self.synchronize()
             return a
         src = next(x for x in self.models if x.device == a.device.id)
         with cp.cuda.Device(src.device), src.stream:
@@ -134,10 +188,15 @@ class GpuGroup:
         for rank, m in enumerate(self.models):  # clean exchange regions on every GPU before any kernel runs
             with self.on(rank):
                 self.regions[rank][:] = 0
-        self.synchronize()
         for rank, m in enumerate(self.models):
             m.launch(x_last[rank], start_pos, max_steps, logits=None if logits is None else logits[rank],
-                     profile=profile if rank == 0 else None, **kw)
+                     profile=profile if rank == 0 else None, defer=True, **kw)
+        # Every rank's inputs are in place before any kernel starts, and nothing but the kernels is
+        # issued between their launches (with shared GPUs, a memset or allocation there could keep
+        # the later kernels from running beside the earlier ones, which then spin forever).
+        self.synchronize()
+        for m in self.models:
+            m.start_kernel()
 
     def synchronize(self) -> None:
         for m in self.models:
@@ -153,14 +212,15 @@ class TpMonokernelEngine(MonokernelEngine):
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0, 1),
                  max_context: int | None = None, progress: bool | None = None,
-                 layout_options: dict | None = None):
+                 layout_options: dict | None = None, *, emulate_on_one_gpu: bool = False):
+        """emulate_on_one_gpu=True with devices=[g] * N: N ranks on GPU g (module docstring)."""
         import threading
 
         if config.dtype not in ("bf16", "fp16", "fp32"):
             raise ValueError(f"unsupported checkpoint dtype {config.dtype}")
         self.config = config
         self.gpu = GpuGroup(config, tensors, devices, max_context=max_context, progress=progress,
-                            layout_options=layout_options)
+                            layout_options=layout_options, emulate_on_one_gpu=emulate_on_one_gpu)
         self.max_context = self.gpu.max_context
         self.devices = list(devices)
         self._busy = threading.Lock()

@@ -5,7 +5,11 @@ engine and the transformers goldens."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import subprocess
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +189,195 @@ def test_engine_refuses_an_unsplittable_gpu_count_before_loading(tiny_checkpoint
         MonokernelEngine.from_pretrained(tiny_checkpoint, devices=[0, 1, 2])
     with pytest.raises(TensorParallelError, match="do not divide num_attention_heads=4"):
         MonokernelEngine.from_pretrained(tiny_checkpoint, devices=list(range(8)))
+
+
+# ---- one-GPU emulation (monokernel_tp emulate_on_one_gpu): what needs no GPU ---------------------
+def test_repeated_devices_are_refused_without_the_emulation_flag(tiny_checkpoint):
+    from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_tp import TpMonokernelEngine
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    with pytest.raises(ValueError, match=r"devices=\[0, 0\] repeats a GPU; .* pass emulate_on_one_gpu=True"):
+        TpMonokernelEngine(cfg, {}, devices=[0, 0])  # refused before any GPU work (CI has none)
+    with pytest.raises(ValueError, match=r"devices=\[1, 0, 1, 2\] repeats a GPU"):
+        MonokernelEngine.from_pretrained(tiny_checkpoint, devices=[1, 0, 1, 2])
+
+
+@pytest.mark.parametrize("devices, error, match", [
+    ([0], ValueError, r"needs at least 2 ranks, got devices=\[0\]"),
+    ([0, 1], ValueError, r"names 2; use devices=\[0\] \* 2"),
+    ([1, 1, 0, 0], ValueError, r"names 2; use devices=\[1\] \* 4"),
+    ([0, 0, 0], TensorParallelError, "3 GPUs is not supported"),
+    ([0] * 8, TensorParallelError, "do not divide num_attention_heads=4"),
+])
+def test_bad_emulation_arguments_are_refused_clearly(tiny_checkpoint, devices, error, match):
+    from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_tp import TpMonokernelEngine
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    with pytest.raises(error, match=match):
+        TpMonokernelEngine(cfg, {}, devices=devices, emulate_on_one_gpu=True)
+    with pytest.raises(error, match=match):
+        MonokernelEngine.from_pretrained(tiny_checkpoint, devices=devices, emulate_on_one_gpu=True)
+
+
+def test_grid_override_and_emulated_grid_sizes():
+    from replicas.monokernel_gpu import grid_blocks
+    from replicas.monokernel_tp import emulated_sms
+
+    assert grid_blocks(132, None) == 132 and grid_blocks(132, 66) == 66 and grid_blocks(132, 132) == 132
+    for bad in (0, 133):
+        with pytest.raises(ValueError, match=f"num_sms={bad}: the grid must be 1..132 blocks"):
+            grid_blocks(132, bad)
+    assert [emulated_sms(132, n) for n in (2, 4, 8)] == [66, 33, 16]  # H200: N grids side by side fit
+
+
+class _Log(list):
+    """What the stand-in GPU saw, in order: ("prep", rank, defer), ("sync", rank), ("start", rank), ..."""
+
+
+class _Buf:
+    """What GpuGroup touches of a CuPy array: .data.ptr and [:] = 0."""
+
+    _next = 0x10000
+
+    def __init__(self, *_, **__):
+        _Buf._next += 0x10000
+        self.data = types.SimpleNamespace(ptr=_Buf._next)
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def _fake_group(monkeypatch, cfg, n: int, emulate: bool, sms: int = 132):
+    """GpuGroup over a stand-in CuPy and GpuModel (which builds the real KernelLayout of its rank)."""
+    import replicas.monokernel_tp as tp
+    from replicas.layout_tuned import engine_options
+    from replicas.monokernel_gpu import grid_blocks
+
+    log, peer = _Log(), []
+
+    class Device:
+        def __init__(self, d):
+            self.id, self.attributes = d, {"MultiProcessorCount": sms}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Stream(Device):
+        def synchronize(self):
+            log.append(("sync", self.id))
+
+    class Model:
+        def __init__(self, config, tensors, device, max_context, progress, layout_options, num_sms, cooperative):
+            self.rank, self.device, self.num_sms_arg, self.cooperative = len(models), device, num_sms, cooperative
+            self.layout = KernelLayout.from_config(config, 512, num_sms=grid_blocks(sms, num_sms),
+                                                   **engine_options(config, layout_options))
+            self.max_context, self.compile_seconds, self.stream = 512, 0.0, Stream(len(models))
+            self.host_ctrl = self.host_tokens = None
+            self.tp_params: dict = {}
+            models.append(self)
+
+        def launch(self, x_last, start_pos, max_steps, *, logits=None, profile=None, defer=False, **kw):
+            log.append(("prep", self.rank, defer))
+
+        def start_kernel(self):
+            log.append(("start", self.rank))
+
+        def synchronize(self):
+            self.stream.synchronize()
+
+    models: list = []
+    runtime = types.SimpleNamespace(deviceCanAccessPeer=lambda a, b: peer.append((a, b)) or True,
+                                    deviceEnablePeerAccess=lambda b: None, CUDARuntimeError=RuntimeError)
+    cp = types.SimpleNamespace(float32=np.float32, ndarray=type("NotHere", (), {}), zeros=_Buf, asarray=_Buf,
+                               cuda=types.SimpleNamespace(Device=Device, runtime=runtime))
+    monkeypatch.setattr(tp, "import_cupy", lambda: cp)
+    monkeypatch.setattr(tp, "GpuModel", Model)
+    # zero-stride stand-ins: shard_tensors only slices them (no gigabytes for the larger presets)
+    tensors = {k: np.broadcast_to(np.zeros((), np.uint16), s) for k, s in expected_tensors(cfg).items()}
+    devices = [0] * n if emulate else list(range(n))
+    return tp.GpuGroup(cfg, tensors, devices, max_context=512, emulate_on_one_gpu=emulate), log, peer
+
+
+@pytest.mark.parametrize("preset, n", [("tiny", 2), ("tiny", 4), ("qwen3-0.6b", 8)])
+def test_emulated_group_wiring(monkeypatch, preset, n):
+    cfg = preset_config(preset)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    with pytest.warns(UserWarning, match="8 emulated ranks and CUDA_DEVICE_MAX_CONNECTIONS=8") if n == 8 \
+            else contextlib.nullcontext():
+        group, log, peer = _fake_group(monkeypatch, cfg, n, emulate=True)
+    assert not peer  # the "peers" are the same GPU: no peer access to check or enable
+    assert [m.device for m in group.models] == [0] * n and group.emulated
+    assert all(m.num_sms_arg == 132 // n and m.layout.num_sms == 132 // n and not m.cooperative for m in group.models)
+    assert group.layout.tp == n and n * group.layout.num_sms <= 132
+    ptrs = [r.data.ptr for r in group.regions]
+    assert len(set(ptrs)) == n and [m.tp_params["tp_local"] for m in group.models] == ptrs
+    assert [m.tp_params["tp_rank"] for m in group.models] == list(range(n))
+    assert len({m.stream for m in group.models}) == n  # one stream per rank: the kernels run concurrently
+
+    group.launch([None] * n, 5, 10)
+    # every rank prepared (deferred) and synchronized before any kernel starts; then only the kernels
+    first_start = next(i for i, e in enumerate(log) if e[0] == "start")
+    before, after = log[:first_start], log[first_start:]
+    assert [e for e in before if e[0] == "prep"] == [("prep", r, True) for r in range(n)]
+    last_prep = max(i for i, e in enumerate(before) if e[0] == "prep")
+    assert sorted(before[last_prep + 1:]) == [("sync", r) for r in range(n)]
+    assert after == [("start", r) for r in range(n)]
+
+    log.clear()
+    with group.on(1):
+        pass
+    assert log == [("sync", 1)]  # ranks sharing the GPU (one cuBLAS workspace, one pool) run one after another
+    log.clear()
+    a = types.SimpleNamespace(device=types.SimpleNamespace(id=0))
+    assert group.to(a, n - 1) is a and sorted(log) == [("sync", r) for r in range(n)]
+
+
+def test_eight_ranks_with_enough_hardware_queues_do_not_warn(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        group, _, _ = _fake_group(monkeypatch, preset_config("qwen3-0.6b"), 8, emulate=True)
+    assert group.layout.num_sms == 16
+
+
+def test_real_group_keeps_whole_gpus_cooperative_launches_and_peer_access(monkeypatch):
+    group, log, peer = _fake_group(monkeypatch, preset_config("tiny"), 2, emulate=False)
+    assert peer == [(0, 1), (1, 0)] and not group.emulated
+    assert all(m.num_sms_arg is None and m.layout.num_sms == 132 and m.cooperative for m in group.models)
+    with group.on(0):
+        pass
+    assert not log
+
+
+def test_tiny_emulated_build_is_the_real_tp_build():
+    """tiny's flags do not depend on the grid: the emulation runs the N-GPU cubin itself; larger
+    models get smaller k-split factors on SMs // N blocks (compiled below)."""
+    from replicas.layout_tuned import engine_options
+
+    c = preset_config("tiny")
+    for n in (2, 4):
+        local = shard_config(c, n)
+        opts = engine_options(local, {"tp": n, "vocab_total": c.vocab_size})
+        real = KernelLayout.from_config(local, 1024, num_sms=132, **opts)
+        assert KernelLayout.from_config(local, 1024, num_sms=132 // n, **opts).compile_flags() == real.compile_flags()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the emulated sm_90a builds")
+@pytest.mark.parametrize("preset, n", [("qwen3-0.6b", 2), ("llama-3.2-1b", 8)])
+def test_emulated_tp_build_compiles_for_sm90a(monkeypatch, tmp_path, preset, n):
+    from replicas.monokernel_build import kernel_source, nvcc_command
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    group, _, _ = _fake_group(monkeypatch, preset_config(preset), n, emulate=True)
+    lay = group.layout  # exactly what GpuModel compiles for a rank (num_sms = 132 // n)
+    assert lay.num_sms == 132 // n and lay.tp == n
+    src = tmp_path / "mk.cu"
+    src.write_text(kernel_source())
+    r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), check=False, capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]

@@ -1,16 +1,26 @@
 """Tensor-parallel monokernel on >= 2 GPUs (H200s): TP=2 against TP=1, the numpy reference and
-transformers; greedy and seeded sampling identical to TP=1; stops, cancel.
+transformers; greedy and seeded sampling identical to TP=1; stops, cancel. The same tests on ONE
+GPU with the ranks emulated side by side (emulate_on_one_gpu: tiny at TP=2 and 4, each rank on
+SMs // N blocks): the exchange protocol and the numerics without a second GPU.
 
 Run on the 2-GPU machine:  python -m pytest -q -m gpu tests/test_tp_gpu.py
-(needs CuPy, and torch + transformers for the oracle; deselected in CI by the `gpu` marker).
+(needs CuPy, and torch + transformers for the oracle; deselected in CI by the `gpu` marker; with
+one GPU only the emulated setups run).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
+
+# The emulation's rank streams must not share one of CUDA's hardware queues (8 by default): two
+# ranks' kernels in one queue would run one after the other while the first spins waiting for the
+# second. Takes effect as CUDA initializes after this import (pytest collects before running).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 
 TOL = 2e-2  # max |Δ| / max |ref|, as tests/test_monokernel_gpu.py
 TP_TOL = 1e-2  # TP=2 vs TP=1: same bf16 weights, different fp32 summation order (expect ~1e-4)
@@ -42,16 +52,22 @@ def gpu_count() -> int:
         return 0
 
 
-@pytest.fixture(scope="module", params=["tiny", "llama-3.2-1b"])
+# (preset, N, emulated on GPU 0); tiny's 4 q heads allow N = 2 and 4 (check_tp refuses 8)
+SETUPS = [("tiny", 2, False), ("llama-3.2-1b", 2, False), ("tiny", 2, True), ("tiny", 4, True)]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{p}-tp{n}{'-emulated' if e else ''}" for p, n, e in SETUPS])
 def engines(request, tmp_path_factory):
-    if gpu_count() < 2:
-        pytest.skip("needs at least 2 GPUs")
+    preset, n, emulate = request.param
+    if gpu_count() < (1 if emulate else n):
+        pytest.skip(f"needs {'a GPU' if emulate else f'at least {n} GPUs'}")
     from replicas.checkpoint import make_checkpoint
     from replicas.monokernel import MonokernelEngine
 
-    path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
+    path = make_checkpoint(preset, tmp_path_factory.mktemp(preset), seed=0, dtype="bf16")
     one = MonokernelEngine.from_pretrained(path, devices=[0], max_context=1024)
-    two = MonokernelEngine.from_pretrained(path, devices=[0, 1], max_context=1024)
+    two = MonokernelEngine.from_pretrained(path, devices=[0] * n if emulate else list(range(n)), max_context=1024,
+                                           emulate_on_one_gpu=emulate)
     return path, one, two
 
 
@@ -59,8 +75,13 @@ def test_tp2_is_the_tensor_parallel_engine(engines):
     from replicas.monokernel_tp import TpMonokernelEngine
 
     _, one, two = engines
-    assert isinstance(two, TpMonokernelEngine) and two.kind == "monokernel" and two.devices == [0, 1]
-    assert two.gpu.layout.tp == 2 and one.gpu.layout.tp == 1
+    n = len(two.devices)
+    assert isinstance(two, TpMonokernelEngine) and two.kind == "monokernel" and one.gpu.layout.tp == 1
+    assert all(m.layout.tp == n for m in two.gpu.models) and len({m.stream.ptr for m in two.gpu.models}) == n
+    if two.gpu.emulated:  # N grids side by side on GPU 0
+        assert two.devices == [0] * n and all(m.layout.num_sms == one.gpu.layout.num_sms // n for m in two.gpu.models)
+    else:
+        assert two.devices == list(range(n)) and two.gpu.layout.num_sms == one.gpu.layout.num_sms
 
 
 def test_teacher_forced_logits_match_tp1_reference_and_transformers(engines):
