@@ -7,6 +7,7 @@
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
+#include "mk_batch.cuh"
 
 constexpr int kOPerThread = (kGroup * MK_D + MK_THREADS - 1) / MK_THREADS;
 
@@ -57,7 +58,11 @@ struct KVTile {
 #endif
 // KV-length splits per kv head for a context of `ctx` positions (>= ~MK_SPLIT_POS positions per split).
 MK_DEVICE int split_capacity() { return max(1, min((int)gridDim.x / MK_NKV, MK_MAX_SPLITS)); }
-MK_DEVICE int num_splits(int ctx) { return max(1, min(split_capacity(), (ctx + MK_SPLIT_POS - 1) / MK_SPLIT_POS)); }
+// With `nlive` slots decoding, each gets 1/nlive of the capacity, so every block still has at most
+// one attention item (items run one after another in a block: the chain would grow with the batch).
+MK_DEVICE int num_splits(int ctx, int nlive = 1) {
+  return max(1, min(split_capacity() / nlive, (ctx + MK_SPLIT_POS - 1) / MK_SPLIT_POS));
+}
 
 // QKV units of one kv group: its kGroup q heads, its k head and its v head, each D rows x splits.
 constexpr unsigned kQKVGroupUnits = (unsigned)(kGroup + 2) * MK_D * MK_S_QKV;
@@ -80,12 +85,18 @@ MK_DEVICE void signal_qkv_done(const MkParams& p, const WeightStream& st) {
   }
 }
 
-MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_act, unsigned qkv_target) {
+// Attention splits of this step over the live slots: (slot, kv head, split) items, slot-major.
+MK_DEVICE int attention_items(const MkParams& p, int step, unsigned live) {
+  int n = 0;
+#pragma unroll 1
+  for (int b = 0; b < kB; b++)
+    if ((live >> b) & 1u) n += MK_NKV * num_splits(slot_pos(p, b, step) + 1, __popc(live));
+  return n;
+}
+
+MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned live, float* s_act, unsigned qkv_target) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int ctx = pos + 1;
-  const int split_cap = split_capacity();  // partials: [NKV][split_cap]
-  const int nsplit = num_splits(ctx);
-  const int items = MK_NKV * nsplit;
+  const int split_cap = split_capacity();  // partials: [B][NKV][split_cap]
   float* s_q = s_act + kAttnQ;
   float* s_kc = s_act + kAttnKC;
   float* s_vc = s_act + kAttnVC;
@@ -97,11 +108,22 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
   uint16_t* s_v = s_k + MK_ATTN_TILE * MK_D;
   const float qscale = rsqrtf((float)MK_D);
 
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int g = item / nsplit, s = item % nsplit;
+  for (int item = blockIdx.x;; item += gridDim.x) {
+    int slot = -1, pos = 0, nsplit = 1, rem = item;
+#pragma unroll 1
+    for (int b = 0; b < kB; b++) {  // which live slot's split this item is
+      if (!((live >> b) & 1u)) continue;
+      const int pb = slot_pos(p, b, step), nb = num_splits(pb + 1, __popc(live));
+      if (rem < MK_NKV * nb) { slot = b; pos = pb; nsplit = nb; break; }
+      rem -= MK_NKV * nb;
+    }
+    if (slot < 0) break;
+    const int ctx = pos + 1;
+    const int g = rem / nsplit, s = rem % nsplit;
     const int chunk = (ctx + nsplit - 1) / nsplit;
     const int t0 = s * chunk, t1 = min(ctx, t0 + chunk);
-    const long long head_base = ((long long)layer * MK_NKV + g) * MK_MAX_CTX;
+    const long long head_base = kv_head_base(slot, layer, g);
+    const float* qkv_part = slot_qkv(p, slot);
     // Start fetching the first tile of cached K/V (earlier positions do not depend on this step).
     auto fetch_tile = [&](int tt, int n) {
       for (int i = tid; i < 2 * n * kRowPieces; i += MK_THREADS) {
@@ -131,7 +153,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
                 : kQDim + kKVDim + g * MK_D + (i - (kGroup + 1) * MK_D);
         float v = 0.f;
 #pragma unroll
-        for (int k = 0; k < MK_S_QKV; k++) v += __ldcg(p.qkv_part + (long long)row * MK_S_QKV + k);
+        for (int k = 0; k < MK_S_QKV; k++) v += __ldcg(qkv_part + (long long)row * MK_S_QKV + k);
         if (MK_QKV_BIAS) v += p.qkv_bias[(long long)layer * kQKVRows + row];
         s_q[i] = i >= (kGroup + 1) * MK_D ? bf16_round(v) : v;  // v is cached as bf16
       }
@@ -235,7 +257,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int pos, float* s_a
       if (!MK_KV_REGS && tt + MK_ATTN_TILE < t1) fetch_tile(tt + MK_ATTN_TILE, min(MK_ATTN_TILE, t1 - tt - MK_ATTN_TILE));
     }
     // 4. publish this split's partial; the last split of kv head g to finish combines.
-    const long long pbase = ((long long)g * split_cap + s) * kGroup;
+    const long long pbase = (((long long)slot * MK_NKV + g) * split_cap + s) * kGroup;
 #pragma unroll
     for (int k = 0; k < kOPerThread; k++) {
       const int idx = tid + k * MK_THREADS;

@@ -9,21 +9,27 @@
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 #include "mk_attention.cuh"
+#include "mk_batch.cuh"
 
 constexpr float kAoScale = 4294967296.f;  // 2^32, as fused_mlp's accumulators
 constexpr float kAoInv = 1.f / 4294967296.f;
 static_assert(MK_TP == 1, "fused_attn_o is single-GPU only (layout_attn_o.attn_o_error)");
-static_assert(MK_NKV * MK_AO_GDP + 2 * kGroup * MK_MAX_SPLITS <= MK_ACT_FLOATS, "fused_attn_o staging");
+// split-weight scratch after the staged O inputs (batch builds: after every slot's)
+constexpr int kAoW = MK_BATCH > 1 ? kB * kActVec : MK_NKV * MK_AO_GDP;
+static_assert(kAoW + 2 * kGroup * MK_MAX_SPLITS <= MK_ACT_FLOATS, "fused_attn_o staging");
+static_assert(MK_BATCH == 1 || MK_NKV * MK_AO_GDP <= kActVec, "a slot's O input fits its vector");
 
-MK_DEVICE long long* ao_acc(const MkParams& p) { return reinterpret_cast<long long*>(p.o_part); }
+// o_part: one int64 [Hp] accumulator per slot
+MK_DEVICE long long* ao_acc(const MkParams& p, int b = 0) { return reinterpret_cast<long long*>(p.o_part) + (long long)b * MK_HP; }
 
 // combine_attention restricted to kv group g (same arithmetic, so the same values), staged at
 // s_act + g * GDp (zero padded); split weights in scratch s_w.
-MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_act, float* s_w) {
+MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_act, float* s_w, int slot = 0) {
   const int tid = threadIdx.x, cap = split_capacity();
+  const long long sb = (long long)slot * MK_NKV * cap * kGroup;  // the slot's first partial
   for (int i = tid; i < kGroup * nsplit; i += MK_THREADS) {
     const int h = i / nsplit, s = i % nsplit;
-    const long long b = ((long long)g * cap + s) * kGroup + h;
+    const long long b = sb + ((long long)g * cap + s) * kGroup + h;
     s_w[i] = __ldcg(p.attn_m + b);
     s_w[kGroup * nsplit + i] = __ldcg(p.attn_l + b);
   }
@@ -39,7 +45,7 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
     float acc = 0.f;
     if (i < kGroup * MK_D) {
       const int h = i / MK_D, d = i % MK_D;
-      const float* o = p.attn_o + ((long long)g * cap * kGroup + h) * MK_D + d;
+      const float* o = p.attn_o + (sb + (long long)g * cap * kGroup + h) * MK_D + d;
 #pragma unroll 4
       for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
@@ -48,38 +54,52 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
   __syncthreads();
 }
 
-// Every block, after its own attention item: wait for and stage the groups of its O units.
-// `target` = splits per group published so far in this launch (attn_cnt never resets in a launch).
-MK_DEVICE void ao_stage(const MkParams& p, int pos, unsigned target, float* s_act) {
+// Every block, after its own attention items: wait for and stage the groups of its O units, for every
+// live slot (slot b's at s_act + b * kActVec).
+// `target` = splits per group published so far in this launch over all slots (attn_cnt never resets).
+MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned target, float* s_act) {
   const int nw = gridDim.x * kStreamWarps;
   long long u0, u1, t0, t1;
   warp_range(kUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
   warp_range(kUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
   if (u1 <= u0) return;  // no O units in this block (uniform over the block)
-  const int nsplit = num_splits(pos + 1);
-  float* s_w = s_act + MK_NKV * MK_AO_GDP;
+  float* s_w = s_act + kAoW;
   for (int g = (int)(u0 / MK_H); g <= (int)((u1 - 1) / MK_H); g++) {
-    if (threadIdx.x == 0) while ((int)(ld_acquire(p.attn_cnt + g) - target) < 0) { }
+    if (threadIdx.x == 0) wait_reach(p.attn_cnt + g, target);
     __syncthreads();
-    ao_combine_group(p, nsplit, g, s_act, s_w);
+#pragma unroll 1
+    for (int b = 0; b < kB; b++) {
+      if ((live >> b) & 1u)  // (a finished slot's dots are skipped: nothing to stage)
+        ao_combine_group(p, num_splits(slot_pos(p, b, step) + 1, __popc(live)), g, s_act + b * kActVec, s_w, b);
+    }
   }
 }
 
-// One O unit's result into the accumulator (lane 0 of the warp; `u` = g * H + row).
-MK_DEVICE void ao_add(const MkParams& p, long long u, float acc) {
-  atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p) + u % MK_H), (unsigned long long)__float2ll_rn(acc * kAoScale));
+// One O unit's results into the live slots' accumulators (lane 0 of the warp; `u` = g * H + row).
+MK_DEVICE void ao_add(const MkParams& p, long long u, const float* acc, unsigned live) {
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+    if ((live >> b) & 1u)
+      atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, b) + u % MK_H), (unsigned long long)__float2ll_rn(acc[b] * kAoScale));
 }
 
-// Block-strided zeroing of the accumulator (in the QKV phase: read before its barrier, added after).
+// Block-strided zeroing of every slot's accumulator (in the QKV phase: read before its barrier, added after).
 MK_DEVICE void ao_zero(const MkParams& p) {
   long long* acc = ao_acc(p);
-  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < kB * MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+}
+
+// Slot b's pre-norm residual element i after O: x + its accumulator (+ bias) (batch prologue).
+MK_DEVICE float ao_load(const MkParams& p, const float* xsrc, const float* bias, int b, int i) {
+  float x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(ao_acc(p, b) + i)) * kAoInv;
+  if (bias) x += bias[i];
+  return x;
 }
 
 // residual_norm<S> of monokernel.cu with the O accumulator (+ bias) as the partial source.
 MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const float* bias, float* xdst, const float* w,
-                                float* s_act, float* s_red) {
-  const long long* acc = ao_acc(p);
+                                float* s_act, float* s_red, int slot = 0) {
+  const long long* acc = ao_acc(p, slot);
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   float v[kIt];
   float ss = 0.f;

@@ -116,6 +116,11 @@ MK_DEVICE unsigned ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// Spin until *p reaches target (wrapping compare). Polling with relaxed loads and one fence after
+// (as cooperative groups' grid sync does) measured 2% slower on llama-3.2-1b than an acquire per poll.
+MK_DEVICE void wait_reach(const unsigned* p, unsigned target) {
+  while ((int)(ld_acquire(p) - target) < 0) { }
+}
 template <int kArriver>
 MK_DEVICE void grid_barrier(unsigned* count, unsigned& epoch) {
   __syncthreads();
@@ -128,7 +133,7 @@ MK_DEVICE void grid_barrier(unsigned* count, unsigned& epoch) {
     __threadfence();
     atomicAdd(count, 1u);
 #endif
-    while ((int)(ld_acquire(count) - target) < 0) { }
+    wait_reach(count, target);
   }
   __syncthreads();
 }

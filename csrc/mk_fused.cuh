@@ -9,15 +9,22 @@
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 
-constexpr int kFxH = MK_FX_PART > MK_HP ? MK_FX_PART : MK_HP;  // s_act offset of the h slice
+// s_act offset of the h slice (batch builds: slot b's slice at kFxH + b * MK_FX_SLICE, after every
+// slot's input vector)
+#if MK_BATCH > 1
+constexpr int kFxH = MK_FX_PART > kB * kActVec ? MK_FX_PART : kB * kActVec;
+static_assert(MK_FX_M == 1, "batch builds: one chunk column per warp in the fused down (layout._batch_error)");
+#else
+constexpr int kFxH = MK_FX_PART > MK_HP ? MK_FX_PART : MK_HP;
+#endif
 constexpr float kFxScale = 4294967296.f;                        // 2^MK_FX_SHIFT
 constexpr float kFxInv = 1.f / 4294967296.f;
 static_assert(MK_FX_SHIFT == 32, "kFxScale assumes 32 fraction bits");
 static_assert(MK_TP == 1, "fused_mlp is single-GPU only (layout_fused.fused_error)");
 
-// The two accumulators live in dn_part (long long [2][MK_HP]); `turn` counts fused phases.
-MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn) {
-  return reinterpret_cast<long long*>(p.dn_part) + (turn & 1u) * MK_HP;
+// The two accumulators live in dn_part (long long [2][B][MK_HP]); `turn` counts fused phases.
+MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn, int b = 0) {
+  return reinterpret_cast<long long*>(p.dn_part) + ((turn & 1u) * kB + b) * MK_HP;
 }
 
 // residual_norm<S> of monokernel.cu with the fixed-point accumulator as the partial source.
@@ -46,13 +53,71 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
   __syncthreads();
 }
 
-// Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.
-MK_DEVICE void fx_zero(long long* acc) {
-  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+// Slot b's pre-norm residual element i: x + the accumulator of fused turn `turn` (batch prologue).
+MK_DEVICE float fx_load(const MkParams& p, const float* xsrc, unsigned turn, int b, int i) {
+  return __ldcg(xsrc + i) + __ll2float_rn(__ldcg(fx_acc(p, turn, b) + i)) * kFxInv;
 }
 
+// Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.
+// (every slot's: they are contiguous within a turn)
+MK_DEVICE void fx_zero(long long* acc) {
+  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < kB * MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+}
+
+#if MK_BATCH > 1
+// Batch build: one pass over the down run with 8 accumulators per slot, then each live slot's row-group
+// partials through shared memory in turn (one partial buffer, slots one after another).
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned live) {
+  const float* s_h = s_act + kFxH;
+  __syncthreads();  // h slices complete; the normed inputs under the partials are dead
+  float a[kB][8];
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+#pragma unroll
+    for (int e = 0; e < 8; e++) a[b][e] = 0.f;
+  float* part = nullptr;
+  if (st.gw >= 0) {
+    const DownShare s = down_share(st.gw);
+    part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + s.col0 * kChunk + st.lane * 8;
+#pragma unroll 1
+    for (int j = 0; j < s.n; j++) {
+      const uint4 w = st.take();
+      const float wf[8] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u),
+                           __uint_as_float(w.z << 16), __uint_as_float(w.z & 0xffff0000u),
+                           __uint_as_float(w.w << 16), __uint_as_float(w.w & 0xffff0000u)};
+#pragma unroll
+      for (int b = 0; b < kB; b++) {
+        if (!((live >> b) & 1u)) continue;
+        const float h = s_h[b * MK_FX_SLICE + s.a + j];
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[b][e] = fmaf(h, wf[e], a[b][e]);
+      }
+      st.release(p);
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < kB; b++) {
+    if (!((live >> b) & 1u)) continue;  // the same for every thread of the block
+    if (part) {
+      *reinterpret_cast<float4*>(part) = make_float4(a[b][0], a[b][1], a[b][2], a[b][3]);
+      *reinterpret_cast<float4*>(part + 4) = make_float4(a[b][4], a[b][5], a[b][6], a[b][7]);
+    }
+    __syncthreads();
+    long long* acc = fx_acc(p, turn, b);
+    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
+      float v = 0.f;
+#pragma unroll
+      for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
+      atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
+    }
+    __syncthreads();
+  }
+}
+#else
 // After run_phase<MAT_GU> stored this block's h slice at s_act + kFxH: the down half.
-MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, long long* acc) {
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned) {
+  long long* acc = fx_acc(p, turn);
   const float* s_h = s_act + kFxH;
   __syncthreads();  // h slice complete; the normed x under the partials is dead
   if (st.gw >= 0) {
@@ -87,3 +152,4 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, lon
     atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
   }
 }
+#endif  // MK_BATCH

@@ -15,6 +15,17 @@
 #define MK_ATTN_O 0  // O-proj fused into attention, O packed by kv group (layout_attn_o.py; flags only when on)
 #endif
 
+#ifndef MK_BATCH
+#define MK_BATCH 1  // slots decoded together (layout option batch; flags only when > 1, see mk_batch.cuh)
+#endif
+constexpr int kB = MK_BATCH;
+#if MK_BATCH > 1
+static_assert(MK_FUSED_MLP && MK_ATTN_O && MK_TP == 1, "batch builds use fused_mlp + fused_attn_o on one GPU");
+constexpr int kActVec = MK_ACT_VEC;  // shared floats of one slot's matvec input
+#else
+constexpr int kActVec = 0;  // one slot: its input at s_act itself
+#endif
+
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block
 // With MK_CTRL_WARP the last warp streams no weights: it owns the grid-barrier arrival, whose

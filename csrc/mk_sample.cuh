@@ -5,16 +5,20 @@
 #pragma once
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
+#include "mk_batch.cuh"
 
 #ifndef MK_V_ALL
 #define MK_V_ALL MK_V  // the whole vocabulary (tensor-parallel builds: MK_V is one GPU's slice)
 #endif
 
 // Every block: the winning token over all warps' (value, index) bests.
-MK_DEVICE int reduce_best(const MkParams& p, float* s_red) {
+// (slot b's bests: [B][warps])
+MK_DEVICE int reduce_best(const MkParams& p, float* s_red, int b = 0) {
   const int nw = gridDim.x * kStreamWarps;
+  const float* bv = p.best_val + (long long)b * nw;
+  const int* bi = p.best_idx + (long long)b * nw;
   float v = -INFINITY; int i = 0x7fffffff;
-  for (int w = threadIdx.x; w < nw; w += MK_THREADS) argmax_merge(v, i, __ldcg(p.best_val + w), __ldcg(p.best_idx + w));
+  for (int w = threadIdx.x; w < nw; w += MK_THREADS) argmax_merge(v, i, __ldcg(bv + w), __ldcg(bi + w));
   warp_argmax(v, i);
   int* s_idx = reinterpret_cast<int*>(s_red + 32);
   __syncthreads();
@@ -44,38 +48,42 @@ MK_DEVICE void mass_above(const float* logits, float M, float invT, float t, flo
   mass = block_sum(m, s_red);
 }
 
-// Block 0 only: temperature + top-k + top-p + Gumbel-max over the step's logits.
-MK_DEVICE int sample_topkp(const MkParams& p, const float* logits, int step, float M, float* s_red) {
-  const float invT = (float)p.inv_temperature;  // M: the step's largest raw logit
+// One block: temperature + top-k + top-p + Gumbel-max over slot b's logits of this step
+// (`step`: the slot's token index, the RNG counter).
+MK_DEVICE int sample_topkp(const MkParams& p, const float* logits, int step, float M, float* s_red, int b = 0) {
+  const float invT = (float)MK_SLOT(p, b, inv_temperature);  // M: the step's largest raw logit
+  const long long top_k = MK_SLOT(p, b, top_k);
+  const double top_p = MK_SLOT(p, b, top_p);
+  const unsigned long long seed = MK_SLOT(p, b, seed);
   // Lowest z worth considering: exp(-80) is below any fp32 probability mass that matters.
   const float zmin = -80.f;
   float cnt, mass;
   float tk = zmin;
-  if (p.top_k > 0 && p.top_k < MK_V_ALL) {
+  if (top_k > 0 && top_k < MK_V_ALL) {
     float lo = zmin, hi = 0.f;
     for (int it = 0; it < 28; it++) {
       float mid = 0.5f * (lo + hi);
       mass_above(logits, M, invT, mid, zmin, s_red, cnt, mass);
-      if (cnt >= (float)p.top_k) lo = mid; else hi = mid;
+      if (cnt >= (float)top_k) lo = mid; else hi = mid;
     }
     tk = lo;
   }
   float tp = tk;
-  if (p.top_p < 1.0) {
+  if (top_p < 1.0) {
     float total;
     mass_above(logits, M, invT, tk, zmin, s_red, cnt, total);
     float lo = tk, hi = 0.f;
     for (int it = 0; it < 28; it++) {
       float mid = 0.5f * (lo + hi);
       mass_above(logits, M, invT, mid, tk, s_red, cnt, mass);
-      if (mass >= (float)p.top_p * total) lo = mid; else hi = mid;
+      if (mass >= (float)top_p * total) lo = mid; else hi = mid;
     }
     tp = lo;
   }
   float v = -INFINITY; int idx = 0x7fffffff;
   for (int i = threadIdx.x; i < MK_V_ALL; i += MK_THREADS) {
     float z = (__ldcg(logits + i) - M) * invT;
-    if (z >= tp) argmax_merge(v, idx, z + gumbel(p.seed, step, i), i);
+    if (z >= tp) argmax_merge(v, idx, z + gumbel(seed, step, i), i);
   }
   warp_argmax(v, idx);
   int* s_idx = reinterpret_cast<int*>(s_red + 32);

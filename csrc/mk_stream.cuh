@@ -109,9 +109,14 @@ struct WeightStream {
 };
 
 // One matvec phase: this warp's units of matrix MAT dotted with the activation vector in shared
-// memory; `epi(unit, acc0, acc1)` runs on lane 0 for every finished unit (acc1: GU's up row).
+// memory (batch builds: each slot's vector, kActVec floats apart: one weight pass for all slots);
+// `epi(unit, acc0, acc1)` runs on lane 0 for every finished unit with one sum per slot (acc1: GU's up row).
+// `live`: the slots to compute (batch builds skip finished ones; their sums are then left at 0).
+MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 1u); }
+
 template <int MAT, class Epi>
-MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi) {
+MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
+                         unsigned live = 1u) {
   if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
@@ -128,18 +133,39 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
 #else
     const float* x = s_act + (kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
 #endif
-    float acc0 = 0.f, acc1 = 0.f;
+    float acc0[kB], acc1[kB];
+#pragma unroll
+    for (int b = 0; b < kB; b++) { acc0[b] = 0.f; acc1[b] = 0.f; }
     if (MAT == MAT_GU) {
 #pragma unroll 2
-      for (int c = 0; c < kChunks / 2; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
+      for (int c = 0; c < kChunks / 2; c++) {
+        const uint4 w = st.take();
+#pragma unroll
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += dot8(w, x + b * kActVec + c * kChunk);
+        st.release(p);
+      }
 #pragma unroll 2
-      for (int c = 0; c < kChunks / 2; c++) { acc1 += dot8(st.take(), x + c * kChunk); st.release(p); }
+      for (int c = 0; c < kChunks / 2; c++) {
+        const uint4 w = st.take();
+#pragma unroll
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc1[b] += dot8(w, x + b * kActVec + c * kChunk);
+        st.release(p);
+      }
     } else {
 #pragma unroll 2
-      for (int c = 0; c < kChunks; c++) { acc0 += dot8(st.take(), x + c * kChunk); st.release(p); }
+      for (int c = 0; c < kChunks; c++) {
+        const uint4 w = st.take();
+#pragma unroll
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += dot8(w, x + b * kActVec + c * kChunk);
+        st.release(p);
+      }
     }
-    acc0 = warp_sum(acc0);
-    if (MAT == MAT_GU) acc1 = warp_sum(acc1);
+#pragma unroll
+    for (int b = 0; b < kB; b++) {
+      if (!slot_on(live, b)) continue;
+      acc0[b] = warp_sum(acc0[b]);
+      if (MAT == MAT_GU) acc1[b] = warp_sum(acc1[b]);
+    }
     if (st.lane == 0) epi(u, acc0, acc1);
   }
 }

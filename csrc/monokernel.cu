@@ -8,6 +8,10 @@
 // xbuf. Matvec outputs are per-unit partials the next phase sums (deterministic, no atomics).
 // With MK_TP > 1 GPUs (mk_tp.cuh) the O and down outputs are all-reduced over the GPUs and the
 // token is chosen from every GPU's vocabulary slice; MK_TP == 1 compiles exactly the code above.
+// With MK_BATCH = B > 1 (mk_batch.cuh) B slots decode together: every phase loops over the slots
+// where it touches activations, once per weight chunk; a slot that finishes stops being decoded
+// (its bit leaves `live`) and the launch ends when none is left, or at a step boundary the host asks
+// for (host_kctl[MK_KCTL_YIELD], to admit a request: the next launch resumes every slot).
 #include "mk_params.cuh"
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
@@ -15,6 +19,7 @@
 #include "mk_attention.cuh"
 #include "mk_sample.cuh"
 #include "mk_tp.cuh"
+#include "mk_batch.cuh"
 #if MK_FUSED_MLP
 #include "mk_fused.cuh"
 #endif
@@ -72,11 +77,6 @@ MK_DEVICE unsigned long long global_ns() {
   return t;
 }
 
-MK_DEVICE bool is_stop(const MkParams& p, int tok) {
-  for (int i = 0; i < (int)p.n_stop; i++) if (p.stop_ids[i] == tok) return true;
-  return false;
-}
-
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkParams* __restrict__ pp) {
   const MkParams& p = *pp;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -93,15 +93,22 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   const int vbase = (int)p.tp_rank * MK_V;  // global id of this GPU's first vocabulary row
 #endif
 #if MK_FUSED_MLP
+#if MK_BATCH > 1
+  constexpr int kFxSlice = MK_FX_SLICE;  // floats of one slot's h slice (mk_fused.cuh)
+  unsigned fx_turn = (unsigned)p.fx_turn0;  // resumed launches continue the accumulator parity
+#else
+  constexpr int kFxSlice = 0;
   unsigned fx_turn = 0;  // fused MLP phases so far: accumulator fx_turn & 1 is being added to
+#endif
 #endif
 #if MK_ATTN_O
   unsigned ao_target = 0;  // attention splits each kv group has published so far (attn_cnt)
 #endif
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
-  const int mode = (int)p.mode;
-  const float invT = (float)p.inv_temperature;
+  unsigned live = 0;  // slots still decoding in this launch (bit b), the same in every block
+#pragma unroll
+  for (int b = 0; b < kB; b++) if (MK_SLOT_ACTIVE(p, b)) live |= 1u << b;
   // Optional phase timing (block 0, thread 0): ns spent from one barrier to the next, per phase kind.
   const bool prof_on = p.profile != nullptr && blockIdx.x == 0 && threadIdx.x == 0;
   // prof[0..5]: barrier-to-barrier ns per phase kind; prof[6]: steps; prof[7..12]: of that, ns
@@ -111,102 +118,151 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #define MK_ARRIVE() if (p.profile != nullptr) { __syncthreads(); if (prof_on) t_arrive = global_ns(); }
 #define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; prof[7 + k] += t_ - t_arrive; t_mark = t_; }
 
-  for (int step = 0;; step++) {
+  int step = 0;
+  for (;; step++) {
+#if MK_BATCH > 1
+    // the host asked to admit a request (read in the last step's final phase, so every block agrees)
+    if (step > 0 && __ldcg(p.cancel_step + kB) != 0) break;
+#endif
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
-#if MK_FUSED_MLP
-    residual_norm_fx(p.xbuf + xi * MK_HP, fx_acc(p, fx_turn - 1), nullptr, p.lnf, s_act, s_red);
+#if MK_BATCH > 1
+    residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
+                        [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
+#elif MK_FUSED_MLP
+    residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), nullptr, p.lnf, s_act, s_red);
 #else
-    residual_norm<kSumDN>(p.xbuf + xi * MK_HP, nullptr, MK_DN_SRC(p), nullptr, nullptr, p.lnf, s_act, s_red);
+    residual_norm<kSumDN>(slot_x(p, xi, 0), nullptr, MK_DN_SRC(p), nullptr, nullptr, p.lnf, s_act, s_red);
 #endif
-    if (blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[0] = p.host_ctrl[MK_CTRL_CANCEL];
-    float* logits = p.logits + (long long)step * p.logits_per_step;
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      for (int b = 0; b < kB; b++) p.cancel_step[b] = p.host_ctrl[b * MK_CTRL_WORDS + MK_CTRL_CANCEL];
     {
-      float best = -INFINITY; int best_i = 0x7fffffff;
-      run_phase<MAT_LM>(st, p, 0, s_act, [&](long long u, float acc, float) {
-        logits[u] = acc;
+      float best[kB]; int best_i[kB];
+#pragma unroll
+      for (int b = 0; b < kB; b++) { best[b] = -INFINITY; best_i[b] = 0x7fffffff; }
+      run_phase<MAT_LM>(st, p, 0, s_act, [&](long long u, const float* acc, const float*) {
+#pragma unroll
+        for (int b = 0; b < kB; b++) {
+          if (!((live >> b) & 1u)) continue;
+          p.logits[(long long)step * p.logits_per_step + (long long)b * MK_V + u] = acc[b];
+          const bool gumbel_mode = MK_SLOT(p, b, mode) == MK_MODE_GUMBEL;
+          const float invT = (float)MK_SLOT(p, b, inv_temperature);
 #if MK_TP > 1
-        const int gid = (int)u + vbase;
-        if (gid < MK_V_ALL) {  // rows past the vocabulary pad the last slice
-          float key = mode == MK_MODE_GUMBEL ? acc * invT + gumbel(p.seed, step, gid) : acc;
-          argmax_merge(best, best_i, key, gid);
-        }
+          const int gid = (int)u + vbase;
+          if (gid < MK_V_ALL) {  // rows past the vocabulary pad the last slice
+            float key = gumbel_mode ? acc[b] * invT + gumbel(p.seed, step, gid) : acc[b];
+            argmax_merge(best[b], best_i[b], key, gid);
+          }
 #else
-        float key = mode == MK_MODE_GUMBEL ? acc * invT + gumbel(p.seed, step, (int)u) : acc;
-        argmax_merge(best, best_i, key, (int)u);
+          float key = gumbel_mode ? acc[b] * invT + gumbel(MK_SLOT(p, b, seed), MK_SLOT_STEP0(p, b) + step, (int)u) : acc[b];
+          argmax_merge(best[b], best_i[b], key, (int)u);
 #endif
-      });
-      if (st.lane == 0 && st.gw >= 0) { p.best_val[st.gw] = best; p.best_idx[st.gw] = best_i; }
+        }
+      }, live);
+      if (st.lane == 0 && st.gw >= 0)
+#pragma unroll
+        for (int b = 0; b < kB; b++) { p.best_val[b * st.nw + st.gw] = best[b]; p.best_idx[b * st.nw + st.gw] = best_i[b]; }
     }
     MK_ARRIVE();
     grid_barrier<kBarrierThread>(p.bar_count, epoch);
     MK_MARK(0);
     if (prof_on) prof[6]++;
 
-    // ---- choose the token (same answer in every block), emit, stop checks ----
+    // ---- choose each live slot's token (same answer in every block), emit, stop checks ----
+    int tok[kB];
 #if MK_TP > 1
     int cancelled;
-    int tok = tp_choose(p, s_red, step, cancelled);
-    if (mode == MK_MODE_TOPKP) tp_gather_logits(p, logits, exchanges);
+    tok[0] = tp_choose(p, s_red, step, cancelled);
+    if (p.mode == MK_MODE_TOPKP) tp_gather_logits(p, p.logits + (long long)step * p.logits_per_step, exchanges);
     const float* all_logits = p.tp_local + MK_TP_OFF_LOGITS;  // indexed by global id
 #else
-    int tok = reduce_best(p, s_red);
-    const float* all_logits = logits;
+#pragma unroll
+    for (int b = 0; b < kB; b++) tok[b] = ((live >> b) & 1u) ? reduce_best(p, s_red, b) : 0;
 #endif
-    if (mode == MK_MODE_TOPKP) {
-      if (blockIdx.x == 0) {
-        float M = __ldcg(all_logits + tok);
-        int t = sample_topkp(p, all_logits, step, M, s_red);
-        if (threadIdx.x == 0) *p.shared_token = t;
+    bool any_topkp = false;
+#pragma unroll
+    for (int b = 0; b < kB; b++) {
+      if (!((live >> b) & 1u) || MK_SLOT(p, b, mode) != MK_MODE_TOPKP) continue;
+      any_topkp = true;
+      if (blockIdx.x == b % gridDim.x) {  // slot b's top-k/top-p in one block
+#if MK_TP == 1
+        const float* all_logits = p.logits + (long long)step * p.logits_per_step + (long long)b * MK_V;
+#endif
+        float M = __ldcg(all_logits + tok[b]);
+        int t = sample_topkp(p, all_logits, MK_SLOT_STEP0(p, b) + step, M, s_red, b);
+        if (threadIdx.x == 0) p.shared_token[b] = t;
       }
+    }
+    if (any_topkp) {
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
-      tok = __ldcg(p.shared_token);
+#pragma unroll
+      for (int b = 0; b < kB; b++)
+        if (((live >> b) & 1u) && MK_SLOT(p, b, mode) == MK_MODE_TOPKP) tok[b] = __ldcg(p.shared_token + b);
     }
-    const bool last = step + 1 >= p.max_steps || p.start_pos + step + 1 >= MK_MAX_CTX;
-    int status = 0;
+#pragma unroll
+    for (int b = 0; b < kB; b++) {
+      if (!((live >> b) & 1u)) continue;
+      const int n = MK_SLOT_STEP0(p, b) + step;  // the slot's token index
+      const bool last = n + 1 >= MK_SLOT(p, b, max_steps) || slot_pos(p, b, step) + 1 >= MK_MAX_CTX;
+      int status = 0;
 #if MK_TP > 1
-    if (cancelled != 0) status = MK_STATUS_CANCELLED;  // rank 0's flag: every GPU stops at this step
+      if (cancelled != 0) status = MK_STATUS_CANCELLED;  // rank 0's flag: every GPU stops at this step
 #else
-    if (__ldcg(p.cancel_step) != 0) status = MK_STATUS_CANCELLED;
+      if (__ldcg(p.cancel_step + b) != 0) status = MK_STATUS_CANCELLED;
 #endif
-    else if (!p.teacher && is_stop(p, tok)) status = MK_STATUS_STOP;
-    else if (last) status = MK_STATUS_LENGTH;
-    if (p.teacher && !last) tok = p.forced[step];
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      if (status != MK_STATUS_CANCELLED && status != MK_STATUS_STOP) {
-        p.tokens[step] = tok;
-        p.host_tokens[step] = tok;
-        __threadfence_system();
-        p.host_ctrl[MK_CTRL_COUNT] = step + 1;
+      else if (!p.teacher && slot_is_stop(p, b, tok[b])) status = MK_STATUS_STOP;
+      else if (last) status = MK_STATUS_LENGTH;
+      if (p.teacher && !last) tok[b] = p.forced[b * MK_MAX_CTX + n];
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        volatile int* ctrl = p.host_ctrl + b * MK_CTRL_WORDS;
+        if (status != MK_STATUS_CANCELLED && status != MK_STATUS_STOP) {
+          p.tokens[b * MK_MAX_CTX + n] = tok[b];
+          p.host_tokens[b * MK_MAX_CTX + n] = tok[b];
+          __threadfence_system();
+          ctrl[MK_CTRL_COUNT] = n + 1;
+        }
+        if (status) {
+          ctrl[MK_CTRL_STOP_TOKEN] = tok[b];
+          ctrl[MK_CTRL_STATUS] = status;
+          __threadfence_system();
+          ctrl[MK_CTRL_DONE] = 1;
+        }
       }
-      if (status) {
-        p.host_ctrl[MK_CTRL_STOP_TOKEN] = tok;
-        p.host_ctrl[MK_CTRL_STATUS] = status;
-        __threadfence_system();
-        p.host_ctrl[MK_CTRL_DONE] = 1;
-      }
+      if (status) { live &= ~(1u << b); tok[b] = 0; }
     }
-    if (status) break;
-    const int pos = (int)p.start_pos + step;
+    if (live == 0) break;
 
-    // ---- the layers, on token `tok` at position `pos` ----
-    for (int layer = 0; layer < MK_L; layer++) {
-      // QKV: x = embedding (layer 0) or x + down partials; RMSNorm.
-      const float* xs = p.xbuf + xi * MK_HP;
-      float* xd = p.xbuf + (xi ^ 1) * MK_HP;
-      if (layer == 0)
-        residual_norm<0>(nullptr, p.embed + (long long)tok * MK_H, nullptr, nullptr, xd, p.ln1, s_act, s_red);
-      else
-#if MK_FUSED_MLP
-        residual_norm_fx(xs, fx_acc(p, fx_turn - 1), xd, p.ln1 + layer * MK_H, s_act, s_red);
+    // ---- the layers, on each live slot's token at its position ----
+    // layer 0's input: the tokens' embeddings
+#if MK_BATCH > 1
+    residual_norm_slots(live, [&](int b, int i) { return bf16_to_f32(p.embed[(long long)tok[b] * MK_H + i]); },
+                        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1, s_act, s_red);
 #else
-        residual_norm<kSumDN>(xs, nullptr, MK_DN_SRC(p), nullptr, xd, p.ln1 + layer * MK_H, s_act, s_red);
+    residual_norm<0>(nullptr, p.embed + (long long)tok[0] * MK_H, nullptr, nullptr, slot_x(p, xi ^ 1, 0), p.ln1,
+                     s_act, s_red);
 #endif
-      xi ^= 1;
+    xi ^= 1;
+    for (int layer = 0; layer < MK_L; layer++) {
+      // QKV: x = x + down partials; RMSNorm (layer 0: done above).
+      if (layer > 0) {
+#if MK_BATCH > 1
+        residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
+                            [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1 + layer * MK_H, s_act, s_red);
+#elif MK_FUSED_MLP
+        residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), slot_x(p, xi ^ 1, 0), p.ln1 + layer * MK_H, s_act, s_red);
+#else
+        residual_norm<kSumDN>(slot_x(p, xi, 0), nullptr, MK_DN_SRC(p), nullptr, slot_x(p, xi ^ 1, 0), p.ln1 + layer * MK_H,
+                              s_act, s_red);
+#endif
+        xi ^= 1;
+      }
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
-      run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, float acc, float) { p.qkv_part[u] = acc; });
+      run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) {
+#pragma unroll
+        for (int b = 0; b < kB; b++) if ((live >> b) & 1u) slot_qkv(p, b)[u] = acc[b];
+      }, live);
 #if MK_ATTN_O
-      ao_zero(p);  // the O accumulator: read before the MLP's barrier, next added to after QKV's
+      ao_zero(p);  // the O accumulators: read before the MLP's barrier, next added to after QKV's
 #endif
 #if MK_QKV_FLAGS
       // No grid barrier: each warp counts its finished units per kv group; an attention block
@@ -215,25 +271,25 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       qkv_target += kQKVGroupUnits;
       __syncthreads();
       MK_MARK(1);
-      attention_phase(p, layer, pos, s_act, qkv_target);
+      attention_phase(p, layer, step, live, s_act, qkv_target);
 #else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(1);
-      attention_phase(p, layer, pos, s_act, 0u);
+      attention_phase(p, layer, step, live, s_act, 0u);
 #endif
 #if MK_ATTN_O
       // No attention -> O barrier: wait only for the kv groups of this block's O units (profile: O = both)
-      ao_target += (unsigned)num_splits(pos + 1);
-      ao_stage(p, pos, ao_target, s_act);
-      run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { ao_add(p, u, acc); });
+      ao_target += (unsigned)(attention_items(p, step, live) / MK_NKV);
+      ao_stage(p, step, live, ao_target, s_act);
+      run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) { ao_add(p, u, acc, live); }, live);
 #else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(2);
 
-      combine_attention(p, pos, s_act);
-      run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, float acc, float) { p.o_part[u] = acc; });
+      combine_attention(p, slot_pos(p, 0, step), s_act);
+      run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) { p.o_part[u] = acc[0]; });
 #endif
 #if MK_FUSED_MLP
       fx_zero(fx_acc(p, fx_turn - 1));  // read before the QKV barrier; next added to after O's
@@ -245,36 +301,45 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       tp_all_reduce<MK_S_O>(p, p.o_part, MK_TP_OFF_RECV_O, exchanges);
 #endif
 
-#if MK_ATTN_O
-      residual_norm_ao(p, p.xbuf + xi * MK_HP, MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
-                       p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
+#if MK_BATCH > 1
+      residual_norm_slots(live, [&](int b, int i) {
+          return ao_load(p, slot_x(p, xi, b), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr, b, i); },
+        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln2 + layer * MK_H, s_act, s_red);
+#elif MK_ATTN_O
+      residual_norm_ao(p, slot_x(p, xi, 0), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
+                       slot_x(p, xi ^ 1, 0), p.ln2 + layer * MK_H, s_act, s_red);
 #else
-      residual_norm<kSumO>(p.xbuf + xi * MK_HP, nullptr, MK_O_SRC(p), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
-                            p.xbuf + (xi ^ 1) * MK_HP, p.ln2 + layer * MK_H, s_act, s_red);
+      residual_norm<kSumO>(slot_x(p, xi, 0), nullptr, MK_O_SRC(p), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
+                           slot_x(p, xi ^ 1, 0), p.ln2 + layer * MK_H, s_act, s_red);
 #endif
       xi ^= 1;
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
         const long long js = (long long)MK_I * blockIdx.x / gridDim.x;  // the block's first gate/up unit
-        run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
-          s_act[kFxH + (int)(u - js)] = g / (1.f + __expf(-g)) * up;
-        });
-        fused_down(st, p, s_act, fx_acc(p, fx_turn));
+        run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
+#pragma unroll
+          for (int b = 0; b < kB; b++)
+            if (slot_on(live, b)) s_act[kFxH + b * kFxSlice + (int)(u - js)] = g[b] / (1.f + __expf(-g[b])) * up[b];
+        }, live);
+        fused_down(st, p, s_act, fx_turn, live);
         fx_turn++;
       }
+#if MK_BATCH > 1
+      if (layer == MK_L - 1 && blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[kB] = p.host_kctl[MK_KCTL_YIELD];
+#endif
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(4);
 #else
-      run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, float g, float up) {
-        p.h_buf[u] = g / (1.f + __expf(-g)) * up;
+      run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
+        p.h_buf[u] = g[0] / (1.f + __expf(-g[0])) * up[0];
       });
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(4);
 
       stage_vector<MK_I, MK_IP>(p.h_buf, s_act);
-      run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, float acc, float) { p.dn_part[u] = acc; });
+      run_phase<MAT_DN>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) { p.dn_part[u] = acc[0]; });
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(5);
@@ -284,6 +349,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif  // MK_FUSED_MLP
     }
   }
+#if MK_BATCH > 1
+  if (blockIdx.x == 0 && threadIdx.x == 0) { p.kctl[0] = (int)fx_turn; p.kctl[1] = step; }
+#endif
   if (prof_on)
     for (int k = 0; k < 13; k++) p.profile[k] = prof[k];
   cp_async_wait_all();

@@ -40,6 +40,7 @@ MAX_ATTN_SPLITS = 32  # most KV-length splits per kv head
 # (H200 L2: 60 MB). The gate/up phase then reads that part from L2.
 L2_PREFETCH_BYTES = 0  # measured: 32-48 MB slowed QKV more than it sped gate/up (RESULTS.md)
 MAX_STOP_IDS = 16
+MAX_BATCH = 8  # slots of a batch build
 RED_FLOATS = 96  # block-reduction scratch in shared memory
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
@@ -83,7 +84,27 @@ TP_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 # cancel) of every source, the two all-reduce receive buffers [hidden][N], the gathered logits.
 TP_HEADER_WORDS = 256
 
-# host_ctrl slots (int32 in pinned, host-mapped memory)
+# Extra fields of a batch build (MK_BATCH > 1), after PARAM_FIELDS (the scalars above are then unused:
+# every slot has its own, in the slot table).
+BATCH_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("slots", "const MkSlot*"),  # [B] slot table (SLOT_FIELDS), fixed for one launch
+    ("slot_stop", "const int*"),  # [B][MAX_STOP_IDS] stop token ids
+    ("host_kctl", "volatile int*"),  # host-mapped kernel control: [KCTL_YIELD] = exit at the next step boundary
+    ("kctl", "int*"),  # device words the kernel leaves at exit: [0] fused turn, [1] steps run
+    ("fx_turn0", "long long"),  # fused-MLP turn to resume from (0 on a fresh launch; kctl[0] of the last one)
+)
+# One slot of a batch launch: 8-byte fields in this order (struct MkSlot, generated).
+SLOT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("start_pos", "long long"),  # prompt length: the position of emitted token 0's predecessor + 1
+    ("step0", "long long"),  # tokens this slot emitted in earlier launches (positions / RNG continue)
+    ("max_steps", "long long"),  # token budget of the whole generation
+    ("n_stop", "long long"), ("mode", "long long"), ("top_k", "long long"),
+    ("seed", "unsigned long long"), ("inv_temperature", "double"), ("top_p", "double"),
+    ("active", "long long"),  # 1: decode this slot in this launch
+)
+KCTL_YIELD = 0  # host_kctl word: host asks the kernel to exit at the next step boundary (to admit a request)
+
+# host_ctrl slots (int32 in pinned, host-mapped memory; per slot in a batch build: [B][CTRL_WORDS])
 CTRL_COUNT, CTRL_STATUS, CTRL_DONE, CTRL_CANCEL, CTRL_STOP_TOKEN = range(5)
 CTRL_WORDS = 8
 # finish status the kernel writes to host_ctrl[CTRL_STATUS]
@@ -154,6 +175,7 @@ class KernelLayout:
     max_ring: int = 0  # cap on weight-ring slots per warp (0: as many as shared memory holds); tuning
     x_perm: bool = False  # matvec inputs permuted in shared memory so a warp's float4 loads are conflict-free
     split_pos: int = ATTN_SPLIT_POS  # KV positions per attention split before another split is used
+    batch: int = 1  # sequences decoded together in one weight pass per step (slots; csrc/mk_batch.cuh)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -164,7 +186,7 @@ class KernelLayout:
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
                     tp_skip_allreduce: bool = False, fused_mlp: bool = False,
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
-                    split_pos: int = ATTN_SPLIT_POS) -> KernelLayout:
+                    split_pos: int = ATTN_SPLIT_POS, batch: int = 1) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -185,9 +207,11 @@ class KernelLayout:
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
-                   split_pos=int(split_pos))
+                   split_pos=int(split_pos), batch=int(batch))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
+        if batch_error := base._batch_error():
+            raise LayoutError(batch_error)
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
         if tp_error := base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base):
@@ -257,11 +281,28 @@ class KernelLayout:
         h_stage = 0 if self.fused_mlp else self.ip
         fused = layout_fused.act_floats(self) if self.fused_mlp else 0
         attn_o = layout_attn_o.act_floats(self) if self.fused_attn_o else 0
+        if self.batch > 1:  # per-slot matvec inputs side by side, then the fused MLP's h slices (mk_batch.cuh)
+            vectors = self.batch * self.act_vec
+            fx_h = max(layout_fused.part_floats(self), vectors)
+            return max(fx_h + self.batch * layout_fused.slice_floats(self), vectors + 2 * self.group * MAX_ATTN_SPLITS,
+                       self.attn_floats)
         return max(self.hp, self.qp, h_stage, self.attn_floats, combine, fused, attn_o)
 
     @property
+    def act_vec(self) -> int:
+        """Shared floats of one slot's matvec input in a batch build: the normed x, or the O input
+        staged by kv group (mirrors kActVec in csrc/mk_layout.cuh)."""
+        return max(self.hp, self.kv_heads * layout_attn_o.group_len(self))
+
+    @property
+    def red_floats(self) -> int:
+        """Block-reduction scratch after the activations (batch builds: one row of warp sums per slot,
+        csrc/mk_batch.cuh residual_norm_slots)."""
+        return RED_FLOATS if self.batch == 1 else max(RED_FLOATS, (self.threads // 32 + 1) * self.batch)
+
+    @property
     def smem_fixed(self) -> int:
-        return 4 * (self.act_floats + RED_FLOATS)
+        return 4 * (self.act_floats + self.red_floats)
 
     @property
     def ring_slots(self) -> int:
@@ -312,6 +353,17 @@ class KernelLayout:
             return f"vocab_total={self.vocab_total} does not fit {self.tp} slices of {self.vocab}"
         return None
 
+    def _batch_error(self) -> str | None:
+        if not 1 <= self.batch <= MAX_BATCH:
+            return f"batch={self.batch}: the monokernel decodes 1..{MAX_BATCH} sequences at once"
+        if self.batch > 1 and not (self.fused_mlp and self.fused_attn_o):
+            return (f"batch={self.batch} needs the fused layout (fused_mlp and fused_attn_o): the plain layout "
+                    "stages a whole intermediate vector per slot in shared memory")
+        if self.batch > 1 and layout_fused.down_geometry(self.hp, self.warps_per_block)[2] != 1:
+            return (f"batch={self.batch} needs hidden/256 <= {self.warps_per_block} (one fused-down chunk column per "
+                    f"warp); hidden={self.hidden}")
+        return None
+
     def tp_offsets(self) -> dict[str, int]:
         """Word offsets inside one GPU's exchange region (mirrored as MK_TP_OFF_* flags)."""
         n, h = self.tp, self.hidden
@@ -320,8 +372,8 @@ class KernelLayout:
                 "LOGITS": TP_HEADER_WORDS + 2 * h * n, "WORDS": TP_HEADER_WORDS + 2 * h * n + n * self.vocab}
 
     def param_fields(self) -> tuple[tuple[str, str], ...]:
-        """The kernel's parameter block of this build (params_header() guards the TP fields)."""
-        return PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ())
+        """The kernel's parameter block of this build (params_header() guards the TP and batch fields)."""
+        return PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ()) + (BATCH_PARAM_FIELDS if self.batch > 1 else ())
 
     # ---- what the compiler sees -----------------------------------------------------------
     def compile_flags(self) -> list[str]:
@@ -349,6 +401,9 @@ class KernelLayout:
                          "MK_FX_PART": layout_fused.part_floats(self), "MK_FX_SHIFT": layout_fused.FX_SHIFT})
         if self.fused_attn_o:  # emitted only when on, like fused_mlp
             defs.update({"MK_ATTN_O": 1, "MK_AO_GDP": layout_attn_o.group_len(self)})
+        if self.batch > 1:  # emitted only for batch builds, like the options above
+            defs.update({"MK_BATCH": self.batch, "MK_ACT_VEC": self.act_vec,
+                         "MK_FX_SLICE": layout_fused.slice_floats(self)})
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
@@ -359,17 +414,18 @@ class KernelLayout:
         """Element counts of the fp32 work buffers the kernel's parameter block points to."""
         s = self.splits
         nsplit = self.attn_splits_max
+        b = self.batch  # per-slot buffers: slot-major ([2][B][Hp] for xbuf and the fused accumulators)
         return {
-            "xbuf": 2 * self.hp,
-            "qkv_part": self.qkv_rows * s["qkv"],
-            "o_part": 2 * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
+            "xbuf": 2 * b * self.hp,
+            "qkv_part": b * self.qkv_rows * s["qkv"],
+            "o_part": 2 * b * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
             "h_buf": self.ip,
-            "dn_part": 4 * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
+            "dn_part": 4 * b * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,
-            "attn_m": self.kv_heads * nsplit * self.group,
-            "attn_l": self.kv_heads * nsplit * self.group,
-            "attn_o": self.kv_heads * nsplit * self.group * self.head_dim,
-            "best_val": self.total_warps,
+            "attn_m": b * self.kv_heads * nsplit * self.group,
+            "attn_l": b * self.kv_heads * nsplit * self.group,
+            "attn_o": b * self.kv_heads * nsplit * self.group * self.head_dim,
+            "best_val": b * self.total_warps,
         }
 
 
@@ -377,21 +433,29 @@ def params_header() -> str:
     """C declaration of the parameter block, generated from PARAM_FIELDS (one 8-byte slot each)."""
     lines = ["// generated by replicas/layout.py:params_header(); do not edit", "#pragma once",
              "#ifdef __CUDACC_RTC__", "typedef unsigned short uint16_t;", "typedef unsigned int uint32_t;",
-             "#else", "#include <stdint.h>", "#endif",
-             "struct __align__(8) MkParams {"]
-    for name, ctype in PARAM_FIELDS:
-        lines.append(f"  {ctype} {name};")
+             "#else", "#include <stdint.h>", "#endif"]
+    lines.append("struct __align__(8) MkSlot {")
+    lines += [f"  {ctype} {name};" for name, ctype in SLOT_FIELDS]
+    lines.append("};")
+    lines.append(f"static_assert(sizeof(MkSlot) == {8 * len(SLOT_FIELDS)}, \"one 8-byte slot per field\");")
+    lines.append("struct __align__(8) MkParams {")
+    lines += [f"  {ctype} {name};" for name, ctype in PARAM_FIELDS]
     lines.append("#if defined(MK_TP) && MK_TP > 1")
-    for name, ctype in TP_PARAM_FIELDS:
-        lines.append(f"  {ctype} {name};")
+    lines += [f"  {ctype} {name};" for name, ctype in TP_PARAM_FIELDS]
+    lines.append("#endif")
+    lines.append("#if defined(MK_BATCH) && MK_BATCH > 1")
+    lines += [f"  {ctype} {name};" for name, ctype in BATCH_PARAM_FIELDS]
     lines.append("#endif")
     lines.append("};")
+    n_tp, n_b = len(TP_PARAM_FIELDS), len(BATCH_PARAM_FIELDS)
     lines.append("#if defined(MK_TP) && MK_TP > 1")
-    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + len(TP_PARAM_FIELDS))}, \"one 8-byte slot per field\");")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_tp)}, \"one 8-byte slot per field\");")
+    lines.append("#elif defined(MK_BATCH) && MK_BATCH > 1")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_b)}, \"one 8-byte slot per field\");")
     lines.append("#else")
     lines.append(f"static_assert(sizeof(MkParams) == {8 * len(PARAM_FIELDS)}, \"one 8-byte slot per field\");")
     lines.append("#endif")
-    consts = {"MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
+    consts = {"MK_CTRL_WORDS": CTRL_WORDS, "MK_KCTL_YIELD": KCTL_YIELD, "MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
               "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
               "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,
               "MK_STATUS_CANCELLED": STATUS_CANCELLED, "MK_MODE_GREEDY": MODE_GREEDY,

@@ -58,6 +58,31 @@ _STATUS = {L.STATUS_LENGTH: FinishReason.LENGTH, L.STATUS_STOP: FinishReason.STO
            L.STATUS_CANCELLED: FinishReason.CANCELLED}
 
 
+def check_request(config: ModelConfig, max_context: int, prompt_ids: Sequence[int], params: SamplingParams
+                  ) -> tuple[list[int], list[int]]:
+    """(prompt ids, stop ids) of a valid monokernel request, else InvalidRequest."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+    ids = validate_prompt(prompt_ids, params, config, max_context)
+    stops = sorted(stop_ids(config, params))
+    if len(stops) > L.MAX_STOP_IDS:
+        raise InvalidRequest(f"{len(stops)} stop token ids (with EOS); the monokernel supports at most "
+                             f"{L.MAX_STOP_IDS}")
+    return ids, stops
+
+
+def sampling_mode(params: SamplingParams) -> int:
+    """The kernel's sampling mode: argmax, Gumbel-max over all logits, or top-k / top-p first."""
+    if params.greedy:
+        return L.MODE_GREEDY
+    return L.MODE_GUMBEL if params.top_k == 0 and params.top_p >= 1.0 else L.MODE_TOPKP
+
+
+def sampling_seed(params: SamplingParams) -> int:
+    """The request's seed, or a fresh random one (63 bits)."""
+    return params.seed if params.seed is not None else int.from_bytes(np.random.bytes(8), "little") >> 1
+
+
 class MonokernelEngine:
     """Engine protocol (replicas.engine.Engine) on one GPU, kind="monokernel"."""
 
@@ -196,13 +221,7 @@ class MonokernelEngine:
         return self._start(prompt_ids, params, session_id)
 
     def _start(self, prompt_ids: Sequence[int], params: SamplingParams, session_id: str | None) -> Generation:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
-        ids = validate_prompt(prompt_ids, params, self.config, self.max_context)
-        stops = sorted(stop_ids(self.config, params))
-        if len(stops) > L.MAX_STOP_IDS:
-            raise InvalidRequest(f"{len(stops)} stop token ids (with EOS); the monokernel supports at most "
-                                 f"{L.MAX_STOP_IDS}")
+        ids, stops = check_request(self.config, self.max_context, prompt_ids, params)
         self._take()
         release = _Once(self._busy.release)
         info = _GenerationInfo()
@@ -224,13 +243,7 @@ class MonokernelEngine:
             budget = min(params.max_tokens, self.max_context - len(ids))
             info.reused_tokens = start = self._restore(lease)
             x_last, _ = self.prefill(ids, start=start)
-            if params.greedy:
-                mode = L.MODE_GREEDY
-            elif params.top_k == 0 and params.top_p >= 1.0:
-                mode = L.MODE_GUMBEL
-            else:
-                mode = L.MODE_TOPKP
-            seed = params.seed if params.seed is not None else int.from_bytes(np.random.bytes(8), "little") >> 1
+            mode, seed = sampling_mode(params), sampling_seed(params)
             gpu.launch(x_last, len(ids), budget, mode=mode, temperature=params.temperature,
                        top_k=params.top_k, top_p=params.top_p, seed=seed, stop_ids=stops,
                        profile=self.profile)

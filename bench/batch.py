@@ -1,0 +1,169 @@
+"""Small-batch decode on one GPU (issue 9): the batched monokernel (replicas/monokernel_batched.py)
+with n concurrent requests against the single-sequence engine, in one run, plus the cost of a join.
+
+    python bench/batch.py --presets llama-3.2-1b llama-3.1-8b --builds 8 4 --out DIR
+
+Per preset: copy bandwidth; the B = 1 engine (32-token prompt, --new-tokens greedy, median of --runs);
+for each batch build B: n = 1, 2, 4, .. B requests started together: per-request tok/s (first to last
+token) and aggregate tok/s; on the largest build, a request joining n - 1 running ones: submit ->
+first token vs the same request on an idle engine, and the longest gap the running slots saw.
+Random bf16 weights (bench/decode.py). Writes batch.json and batch.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.decode import copy_bandwidth, random_tensors, time_generation  # noqa: E402
+
+
+def run_together(engine, prompts, n_new: int) -> list[dict]:
+    """Start every prompt at once; per request: first/last token times and token count."""
+    from replicas.engine import SamplingParams
+
+    gens = [engine.generate(p, SamplingParams(max_tokens=n_new, ignore_eos=True)) for p in prompts]
+    t0 = time.perf_counter()
+    res = [dict() for _ in gens]
+
+    def consume(g, r):
+        stamps = [time.perf_counter() for _ in g]
+        r.update(first=stamps[0] - t0, last=stamps[-1] - t0, n=len(stamps),
+                 gap=max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0))
+
+    threads = [threading.Thread(target=consume, args=(g, r)) for g, r in zip(gens, res)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return res
+
+
+def rates(res: list[dict]) -> tuple[float, float]:
+    """(median per-request tok/s, aggregate tok/s over the window where every request decodes)."""
+    per = [(r["n"] - 1) / (r["last"] - r["first"]) for r in res]
+    return statistics.median(per), sum(per)
+
+
+def join_cost(engine, prompt, running_prompts, n_new: int) -> dict:
+    """A request joining running ones: submit -> first token, vs idle; the running slots' worst gap."""
+    from replicas.engine import SamplingParams
+
+    idle = statistics.median(time_generation(engine, prompt, 2)[2] for _ in range(3))
+    q = SamplingParams(max_tokens=n_new, ignore_eos=True)
+    gens = [engine.generate(p, q) for p in running_prompts]
+    heads = [next(g) for g in gens]  # all running
+    stamps = [[] for _ in gens]
+    stop = threading.Event()
+
+    def consume(g, s):
+        for _ in g:
+            s.append(time.perf_counter())
+
+    threads = [threading.Thread(target=consume, args=(g, s)) for g, s in zip(gens, stamps)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    t_submit = time.perf_counter()
+    busy = time_generation(engine, prompt, 2)[2]
+    stop.set()
+    for t in threads:
+        t.join()
+    gaps = [max((b - a for a, b in zip(s, s[1:]) if b > t_submit - 0.01), default=0.0) for s in stamps]
+    del heads
+    return {"ttft_idle_ms": round(idle * 1e3, 2), "ttft_joining_ms": round(busy * 1e3, 2),
+            "join_overhead_ms": round((busy - idle) * 1e3, 2), "running_slots": len(running_prompts),
+            "running_worst_gap_ms": round(max(gaps) * 1e3, 2)}
+
+
+def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int) -> dict:
+    from replicas.checkpoint import preset_config
+    from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+
+    config = preset_config(preset)
+    tensors = random_tensors(cp, config)
+    out = {"preset": preset}
+    prompt = list(range(100, 132))
+    one = MonokernelEngine(config, tensors, max_context=2048)
+    time_generation(one, prompt, 32)
+    r1 = [(c - 1) / dt for dt, c, _ in (time_generation(one, prompt, n_new) for _ in range(runs))]
+    out["single_tok_s"] = round(statistics.median(r1), 1)
+    del one
+    cp.get_default_memory_pool().free_all_blocks()
+    out["builds"] = []
+    for b in builds:
+        eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048)
+        ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(b)]
+        run_together(eng, ps[:1], 32)  # warm-up
+        row = {"batch": b, "compile_s": round(eng.gpu.compile_seconds, 1), "ring": eng.gpu.layout.ring_slots,
+               "occupancy": {}}
+        n = 1
+        while n <= b:
+            meas = [rates(run_together(eng, ps[:n], n_new)) for _ in range(runs)]
+            per = statistics.median(m[0] for m in meas)
+            agg = statistics.median(m[1] for m in meas)
+            row["occupancy"][n] = {"per_request_tok_s": round(per, 1), "aggregate_tok_s": round(agg, 1),
+                                   "per_request_vs_single": round(per / out["single_tok_s"], 3)}
+            print(json.dumps({"preset": preset, "batch": b, "n": n, **row["occupancy"][n]}), flush=True)
+            n *= 2
+        if b == max(builds):
+            row["join"] = join_cost(eng, ps[-1], ps[:max(1, b // 2)], 4 * n_new)
+            print(json.dumps({"preset": preset, "batch": b, "join": row["join"]}), flush=True)
+        row["launches"] = eng.launches
+        eng.close()
+        del eng
+        cp.get_default_memory_pool().free_all_blocks()
+        out["builds"].append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", nargs="+", default=["llama-3.2-1b"])
+    ap.add_argument("--builds", nargs="+", type=int, default=[8])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import cupy as cp
+
+    bw = copy_bandwidth(cp)
+    results = {"copy_TBps": round(bw / 1e12, 3), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+               "presets": []}
+    print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
+    for preset in args.presets:
+        results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs))
+    lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts",
+             "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
+             "|---|---|---|---|---|---|"]
+    for pr in results["presets"]:
+        lines.append(f"| {pr['preset']} | 1 (single-sequence engine) | 1 | {pr['single_tok_s']} | 1.000 | {pr['single_tok_s']} |")
+        for row in pr["builds"]:
+            for n, o in row["occupancy"].items():
+                lines.append(f"| {pr['preset']} | {row['batch']} | {n} | {o['per_request_tok_s']} | "
+                             f"{o['per_request_vs_single']} | {o['aggregate_tok_s']} |")
+        for row in pr["builds"]:
+            if "join" in row:
+                j = row["join"]
+                lines.append("")
+                lines.append(f"join ({pr['preset']}, B={row['batch']}, {j['running_slots']} running): TTFT idle "
+                             f"{j['ttft_idle_ms']} ms, joining {j['ttft_joining_ms']} ms (+{j['join_overhead_ms']}), "
+                             f"running slots' worst token gap {j['running_worst_gap_ms']} ms")
+    md = "\n".join(lines)
+    print(md)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "batch.json").write_text(json.dumps(results, indent=1))
+        (args.out / "batch.md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

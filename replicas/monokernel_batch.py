@@ -1,0 +1,180 @@
+"""GPU state of a batch monokernel build (layout option batch = B > 1, csrc/mk_batch.cuh).
+
+B sequences ("slots") decode in one persistent launch: every weight chunk is streamed once per step
+and dotted with all live slots' inputs. Per-slot KV cache, buffers and host-mapped control words;
+the slot table (replicas/layout.py SLOT_FIELDS) gives each slot its position, budget, stops and
+sampling. A launch ends when every slot has finished or, when the host asks (`request_yield`), at
+the next step boundary; the next launch resumes the running slots where they were (positions, RNG
+counters and the fused-MLP accumulator parity continue) and may start new ones in free slots.
+
+    # k_cache, v_cache: [B][L][kv_heads][max_ctx][D] bf16 bits
+    # xbuf: [2][B][Hp] fp32; host_tokens: [B][max_ctx]; host_ctrl: [B][CTRL_WORDS]
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.model import ModelConfig
+from replicas.monokernel_gpu import GpuModel, MappedInts
+
+
+@dataclass
+class SlotSpec:
+    """What one slot decodes in a launch (the slot table row, SLOT_FIELDS)."""
+
+    start_pos: int  # prompt length
+    max_steps: int  # token budget of the whole generation
+    mode: int = L.MODE_GREEDY
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: Sequence[int] = ()
+    step0: int = 0  # tokens emitted by earlier launches (a resumed slot)
+    forced: Sequence[int] | None = field(default=None, repr=False)  # teacher-forced tokens (forward_logits)
+
+
+def _bits(ctype: str, value) -> np.uint64:
+    if ctype == "double":
+        return np.uint64(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
+    return np.uint64(int(value) & (2**64 - 1))
+
+
+class BatchGpuModel(GpuModel):
+    """A `GpuModel` compiled with batch = B: one launch decodes up to B slots."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], batch: int, device: int = 0,
+                 max_context: int | None = None, progress: bool | None = None,
+                 layout_options: dict | None = None):
+        if not 2 <= int(batch) <= L.MAX_BATCH:
+            raise ValueError(f"batch={batch}: a batch build decodes 2..{L.MAX_BATCH} slots (batch 1 is GpuModel)")
+        super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
+                         layout_options={**(layout_options or {}), "batch": int(batch)})
+        self.batch = self.layout.batch
+
+    def _allocate(self, tensors, progress) -> None:
+        super()._allocate(tensors, progress)
+        cp, c, b, ctx = self.cp, self.config, self.layout.batch, self.max_context
+        # replace the single-sequence buffers by per-slot ones (free the old first)
+        self.k_cache = self.v_cache = None
+        kv_shape = (b, c.num_hidden_layers, c.num_key_value_heads, ctx, c.head_dim)
+        self.k_cache = cp.zeros(kv_shape, cp.uint16)
+        self.v_cache = cp.zeros(kv_shape, cp.uint16)
+        self.best_idx = cp.zeros(b * self.layout.total_warps, cp.int32)
+        self.tokens = cp.zeros(b * ctx, cp.int32)
+        self.forced = cp.zeros(b * ctx, cp.int32)
+        self.stop_ids = cp.zeros(b * L.MAX_STOP_IDS, cp.int32)
+        self.logits1 = cp.zeros(b * c.vocab_size, cp.float32)
+        self.cancel = cp.zeros(b + 1, cp.int32)  # per-slot cancel seen this step, then the yield request
+        self.shared_token = cp.zeros(b, cp.int32)
+        self.kctl = cp.zeros(4, cp.int32)  # left at exit: fused turn, steps run
+        self.slot_table = cp.zeros(b * len(L.SLOT_FIELDS), cp.uint64)
+        self.host_tokens = MappedInts(cp, b * ctx)
+        self.host_ctrl = MappedInts(cp, b * L.CTRL_WORDS)
+        self.host_kctl = MappedInts(cp, 4)
+
+    # ---- per-slot views --------------------------------------------------------------------
+    def slot_view(self, b: int):
+        """What the prefill (monokernel_prefill.Prefill) needs, with slot b's KV cache."""
+        return SimpleNamespace(config=self.config, weights=self.weights, rope_cos=self.rope_cos,
+                               rope_sin=self.rope_sin, k_cache=self.k_cache[b], v_cache=self.v_cache[b])
+
+    def slot_ctrl(self, b: int) -> np.ndarray:
+        return self.host_ctrl.array[b * L.CTRL_WORDS:(b + 1) * L.CTRL_WORDS]
+
+    def slot_tokens(self, b: int) -> np.ndarray:
+        return self.host_tokens.array[b * self.max_context:(b + 1) * self.max_context]
+
+    def request_yield(self) -> None:
+        """Ask the running launch to end at its next step boundary (slots resume in the next one)."""
+        self.host_kctl.array[L.KCTL_YIELD] = 1
+
+    # ---- one launch ------------------------------------------------------------------------
+    def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, object], fx_turn0: int = 0,
+                     logits=None, profile=None) -> None:
+        """Start the kernel on `self.stream` for the slots that are not None.
+
+        fresh: slot -> the prompt's last hidden state [H] (CuPy) for slots starting now; the other
+        given slots resume (their xbuf, accumulators and KV are where the last launch left them, and
+        fx_turn0 must be that launch's `exit_state()[0]`). logits: [steps, B, V] fp32 for teacher
+        forcing (every slot then needs `forced`)."""
+        cp, lay, w, b_n = self.cp, self.layout, self.work, self.layout.batch
+        if len(slots) != b_n:
+            raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
+        teacher = logits is not None
+        if teacher and any(s is not None and s.forced is None for s in slots):
+            raise ValueError("teacher forcing (logits=...) needs `forced` tokens for every slot")
+        hp, ctx = lay.hp, self.max_context
+        table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
+        with cp.cuda.Device(self.device), self.stream:
+            x = w["xbuf"].reshape(2, b_n, hp)
+            acc = w["dn_part"].reshape(2, b_n, 2 * hp)  # int64 accumulators as float32 pairs
+            for b, s in enumerate(slots):
+                if s is None:
+                    continue
+                if len(s.stop_ids) > L.MAX_STOP_IDS:
+                    raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(s.stop_ids)}")
+                values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps,
+                          "n_stop": len(s.stop_ids), "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
+                          "inv_temperature": 1.0 / s.temperature if s.temperature > 0 else 1.0,
+                          "top_p": s.top_p, "active": 1}
+                table[b] = [_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+                self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS] = 0
+                if len(s.stop_ids):
+                    self.stop_ids[b * L.MAX_STOP_IDS:b * L.MAX_STOP_IDS + len(s.stop_ids)] = cp.asarray(
+                        list(s.stop_ids), cp.int32)
+                if s.forced is not None and len(s.forced):
+                    self.forced[b * ctx:b * ctx + len(s.forced)] = cp.asarray(list(s.forced), cp.int32)
+                if b in fresh:
+                    x[:, b] = 0
+                    x[0, b, :self.config.hidden_size] = fresh[b]
+                    acc[:, b] = 0
+                    self.slot_ctrl(b)[:] = 0
+                else:
+                    self.slot_ctrl(b)[L.CTRL_DONE] = 0
+            self.slot_table.set(table.reshape(-1), stream=self.stream)
+            self.attn_cnt[:] = 0
+            self.qkv_done[:] = 0
+            self.control[:] = 0
+            self.cancel[:] = 0
+            self.kctl[:] = 0
+            self.host_kctl.array[:] = 0
+            ctl = self.control.data.ptr
+            ptrs = {
+                **{k: v.data.ptr for k, v in self.weights.items()},
+                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
+                "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
+                **{k: v.data.ptr for k, v in w.items()},
+                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr, "best_idx": self.best_idx.data.ptr,
+                "logits": (logits if teacher else self.logits1).data.ptr,
+                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": self.cancel.data.ptr,
+                "shared_token": self.shared_token.data.ptr,
+                "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
+                "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
+                "profile": profile.data.ptr if profile is not None else 0,
+                "slots": self.slot_table.data.ptr, "slot_stop": self.stop_ids.data.ptr,
+                "host_kctl": self.host_kctl.dev_ptr, "kctl": self.kctl.data.ptr,
+            }
+            scalars = {  # the single-sequence scalars are unused by a batch build (the slot table has them)
+                "start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": int(teacher), "mode": 0, "top_k": 0,
+                "seed": 0, "inv_temperature": 1.0, "top_p": 1.0,
+                "logits_per_step": b_n * self.config.vocab_size if teacher else 0, "fx_turn0": fx_turn0,
+            }
+            fields = lay.param_fields()
+            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
+            assert not missing, f"parameter block fields without a value: {missing}"
+            params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
+            self.params_dev.set(params, stream=self.stream)
+            self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+
+    def exit_state(self) -> tuple[int, int]:
+        """(fused turn, steps run) the last launch left (after it finished)."""
+        t, n = (int(v) for v in self.cp.asnumpy(self.kctl[:2]))
+        return t, n

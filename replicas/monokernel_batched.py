@@ -1,0 +1,290 @@
+"""The batched monokernel engine: up to B generations decode together in one resident launch.
+
+    engine = BatchedMonokernelEngine.from_pretrained("ckpt/", batch=4)
+    gens = [engine.generate(p, SamplingParams(max_tokens=64)) for p in prompts]   # max_batch = 4
+
+One scheduler thread owns the GPU. While a launch runs it streams every slot's tokens out of
+host-mapped memory, forwards cancels (the kernel drops that slot at its next step) and frees the
+slots that finish — the others keep decoding in the same launch. A new request is prefilled with
+cuBLAS, which needs the SMs the persistent kernel holds, so admitting one asks the running launch to
+end at its next step boundary (`request_yield`); the scheduler prefills the newcomers into free slots
+and relaunches with every running slot resumed where it was (its positions, RNG counters and
+accumulators live in GPU memory). So a join costs the running slots one prefill plus one relaunch,
+and the joining request waits at most one step for its prefill to start. The launch ends by itself
+when no slot is left.
+
+Same tokens as the single-sequence engine for the same request (slots do not interact): each slot's
+math is the B = 1 kernel's, except that its int64 fixed-point sums are exact in any order.
+No agent-session reuse here (MonokernelEngine has it); forward_logits runs on slot 0.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.engine import EngineBusy, FinishReason, Generation, InvalidRequest, SamplingParams, validate_teacher_ids
+from replicas.model import ModelConfig
+from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
+from replicas.monokernel_batch import BatchGpuModel, SlotSpec
+
+
+@dataclass
+class _Request:
+    ids: list[int]
+    params: SamplingParams
+    stops: list[int]
+    cancel: threading.Event
+    out: queue.Queue = field(default_factory=queue.Queue)  # ("tok", id) ... then ("end", reason, stop) | ("err", exc)
+    spec: SlotSpec | None = None
+    sent: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    admitted: float = 0.0  # when its prefill started (join latency = admitted - submitted)
+
+
+class BatchedMonokernelEngine:
+    """Engine protocol (replicas.engine.Engine) on one GPU with max_batch = batch slots."""
+
+    kind = "monokernel"
+
+    def __init__(self, config: ModelConfig, tensors, batch: int = 4, devices: Sequence[int] = (0,),
+                 max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None):
+        devices = list(devices)
+        if len(devices) != 1:
+            raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
+        self.config = config
+        self.gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
+                                 progress=progress, layout_options=layout_options)
+        self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
+        from replicas.monokernel_prefill import Prefill
+
+        self._prefill = [Prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
+        self._cv = threading.Condition()
+        self._pending: deque[_Request] = deque()
+        self._slots: list[_Request | None] = [None] * self.max_batch
+        self._fx_turn = 0
+        self._closed = False
+        self._running = False  # a launch is on the GPU
+        self.profile = None  # CuPy uint64[13]: phase times of each launch (bench)
+        self.launches = 0  # relaunches so far (joins cost one each)
+        self.join_latencies: deque[float] = deque(maxlen=256)  # submit -> prefill start, seconds
+        self._thread = threading.Thread(target=self._schedule, name="mk-batch-scheduler", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, batch: int = 4, devices: Sequence[int] = (0,),
+                        max_context: int | None = None, progress: bool | None = None,
+                        layout_options: dict | None = None) -> BatchedMonokernelEngine:
+        from replicas.monokernel_gpu import import_cupy
+        from replicas.weights import load_weights
+
+        config = ModelConfig.from_pretrained(path)
+        import_cupy()
+        tensors = load_weights(path, config, dtype="raw", progress=progress)
+        return cls(config, tensors, batch=batch, devices=devices, max_context=max_context, progress=progress,
+                   layout_options=layout_options)
+
+    # ---- Engine protocol -------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+        ids, stops = check_request(self.config, self.max_context, prompt_ids, params)
+        with self._cv:
+            if self._closed:
+                raise EngineBusy("the engine is closed")
+            if len(self._pending) + sum(s is not None for s in self._slots) >= self.max_batch:
+                raise EngineBusy(f"all {self.max_batch} slots of the batched monokernel are busy; "
+                                 "retry when one finishes")
+            req = _Request(ids, params, stops, threading.Event())
+            self._pending.append(req)
+            self._cv.notify_all()
+        return Generation(lambda cancel: self._stream(req, cancel))
+
+    def _stream(self, req: _Request, cancel: threading.Event):
+        # Generation's own cancel event is the one the scheduler watches
+        req.cancel = cancel
+        finished = False
+        try:
+            while True:
+                try:
+                    item = req.out.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item[0] == "tok":
+                    yield item[1]
+                elif item[0] == "end":
+                    finished = True
+                    return item[1], item[2]
+                else:
+                    finished = True
+                    raise item[1]
+        finally:
+            if not finished:  # closed early: the scheduler cancels the slot (or drops the pending request)
+                cancel.set()
+                with self._cv:
+                    self._cv.notify_all()
+
+    def forward_logits(self, token_ids: Sequence[int], prefill_len: int = TEACHER_PREFILL) -> np.ndarray:
+        return self.forward_logits_slots([token_ids], prefill_len)[0]
+
+    def forward_logits_slots(self, sequences: Sequence[Sequence[int]], prefill_len: int = TEACHER_PREFILL
+                             ) -> list[np.ndarray]:
+        """Teacher-forced logits of up to B sequences decoded together (slot i = sequences[i]): each
+        [len, V] float32, the first `prefill_len` positions from the prefill, the rest from one batch
+        launch. Needs an idle engine (raises EngineBusy otherwise)."""
+        seqs = [validate_teacher_ids(s, self.config, self.max_context) for s in sequences]
+        if not 1 <= len(seqs) <= self.max_batch:
+            raise InvalidRequest(f"{len(seqs)} sequences for {self.max_batch} slots")
+        cp, gpu, V = self.gpu.cp, self.gpu, self.config.vocab_size
+        with self._cv:
+            if self._running or self._pending or any(s is not None for s in self._slots):
+                raise EngineBusy("forward_logits needs an idle batched engine")
+            self._running = True
+        try:
+            heads, specs, fresh = [], [None] * self.max_batch, {}
+            p = [max(1, min(prefill_len, len(s))) for s in seqs]
+            with cp.cuda.Device(gpu.device), gpu.stream:
+                for b, s in enumerate(seqs):
+                    x_last, head = self._prefill[b].run(s[:p[b]], all_logits=True)
+                    heads.append(cp.asnumpy(head))
+                    if len(s) > p[b]:
+                        specs[b] = SlotSpec(start_pos=p[b], max_steps=len(s) - p[b] + 1, forced=s[p[b]:])
+                        fresh[b] = x_last
+                steps = max((len(s) - pb + 1 for s, pb in zip(seqs, p)), default=0)
+                if fresh:
+                    out = cp.zeros((steps, self.max_batch, V), cp.float32)
+                    gpu.launch_slots(specs, fresh=fresh, logits=out)
+                    gpu.synchronize()
+                    out = cp.asnumpy(out)
+            rows = []
+            for b, s in enumerate(seqs):
+                parts = [heads[b]]
+                if len(s) > p[b]:
+                    parts.append(out[1:len(s) - p[b] + 1, b])
+                rows.append(np.concatenate(parts).astype(np.float32, copy=False))
+            return rows
+        finally:
+            with self._cv:
+                self._running = False
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- the scheduler thread --------------------------------------------------------------
+    def _schedule(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._pending and not any(self._slots):
+                    self._cv.wait(0.1)
+                if self._closed and not any(self._slots):
+                    for r in self._pending:
+                        r.out.put(("err", EngineBusy("the engine was closed before this request started")))
+                    self._pending.clear()
+                    return
+                joins = self._take_joins()
+            try:
+                self._admit(joins)
+                if any(self._slots):
+                    self._decode()
+                with self._cv:
+                    self._running = False
+            except Exception as e:  # a GPU failure ends every request it touched, with the error
+                for b, r in enumerate(self._slots):
+                    if r is not None:
+                        r.out.put(("err", e))
+                        self._slots[b] = None
+                for r in joins:
+                    if r.spec is None:
+                        r.out.put(("err", e))
+                with self._cv:
+                    self._running = False
+
+    def _take_joins(self) -> list[_Request]:
+        """Pending requests that fit the free slots (called with the lock held)."""
+        free = sum(s is None for s in self._slots)
+        joins = []
+        while self._pending and len(joins) < free:
+            joins.append(self._pending.popleft())
+        self._running = True  # forward_logits must not start meanwhile
+        return joins
+
+    def _admit(self, joins: list[_Request]) -> None:
+        """Prefill each join into a free slot (the GPU is ours: no launch is running)."""
+        self._fresh = {}
+        for r in joins:
+            if r.cancel.is_set():
+                r.out.put(("end", FinishReason.CANCELLED, None))
+                continue
+            b = self._slots.index(None)
+            r.admitted = time.perf_counter()
+            self.join_latencies.append(r.admitted - r.submitted)
+            with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
+                x_last, _ = self._prefill[b].run(r.ids)
+            p = r.params
+            r.spec = SlotSpec(start_pos=len(r.ids), max_steps=min(p.max_tokens, self.max_context - len(r.ids)),
+                              mode=sampling_mode(p), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                              seed=sampling_seed(p), stop_ids=r.stops)
+            self._slots[b] = r
+            self._fresh[b] = x_last
+
+    def _decode(self) -> None:
+        """One launch over the occupied slots, streaming until it ends (all done, or a yield)."""
+        gpu = self.gpu
+        specs = []
+        for b, r in enumerate(self._slots):
+            if r is not None and b not in self._fresh:
+                r.spec.step0 = int(gpu.slot_ctrl(b)[L.CTRL_COUNT])  # resume after what it emitted
+            specs.append(r.spec if r is not None else None)
+        gpu.launch_slots(specs, fresh=self._fresh, fx_turn0=self._fx_turn, profile=self.profile)
+        self.launches += 1
+        yielded = False
+        while True:
+            running = not gpu.stream.done
+            self._drain(final=not running)
+            if not running:
+                break
+            with self._cv:
+                joinable = self._pending and (self._closed is False) and any(
+                    s is None for s in self._slots)
+            if joinable and not yielded:
+                gpu.request_yield()
+                yielded = True
+            time.sleep(POLL_SECONDS)
+        gpu.synchronize()
+        self._fx_turn, _ = gpu.exit_state()
+
+    def _drain(self, final: bool) -> None:
+        """Send each slot's new tokens, forward cancels, free finished slots."""
+        gpu = self.gpu
+        for b, r in enumerate(self._slots):
+            if r is None:
+                continue
+            ctrl = gpu.slot_ctrl(b)
+            if r.cancel.is_set() and not ctrl[L.CTRL_DONE]:
+                ctrl[L.CTRL_CANCEL] = 1
+            done = bool(ctrl[L.CTRL_DONE])
+            count = int(ctrl[L.CTRL_COUNT])
+            if not r.cancel.is_set():
+                toks = gpu.slot_tokens(b)
+                while r.sent < count:
+                    r.out.put(("tok", int(toks[r.sent])))
+                    r.sent += 1
+            if done or (final and r.cancel.is_set()):
+                status = _STATUS.get(int(ctrl[L.CTRL_STATUS]), FinishReason.LENGTH)
+                if r.cancel.is_set():
+                    status = FinishReason.CANCELLED
+                stop = int(ctrl[L.CTRL_STOP_TOKEN]) if status is FinishReason.STOP else None
+                r.out.put(("end", status, stop))
+                with self._cv:
+                    self._slots[b] = None
+                    self._cv.notify_all()

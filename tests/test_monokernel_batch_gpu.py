@@ -1,0 +1,129 @@
+"""The batched monokernel (layout option batch, replicas/monokernel_batched.py) on a GPU: B slots
+decoded in one weight pass must give each request what the single-sequence engine gives it.
+
+Oracles: the B = 1 engine (same kernel math per slot; only int64 fixed-point sums, which are exact,
+change order, so logits agree to fp32 rounding: 1e-4) and Hugging Face transformers in fp32
+(TOL = 2e-2, as tests/test_monokernel_gpu.py). Fresh random prompts of different lengths; tokens
+compared exactly. Marked `gpu` (CI deselects it).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+TOL = 2e-2
+SAME = 1e-4  # batch slot vs the single-sequence kernel: the same math up to fp32 rounding
+BATCH = 4
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module", params=["tiny", "llama-3.2-1b"])
+def engines(request, tmp_path_factory):
+    pytest.importorskip("cupy")
+    from replicas.checkpoint import make_checkpoint
+    from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+
+    path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
+    one = MonokernelEngine.from_pretrained(path, max_context=1024)
+    many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024)
+    yield path, one, many
+    many.close()
+
+
+def prompts(vocab: int, seed: int, n: int = BATCH) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(n)]
+
+
+def test_teacher_forced_slots_match_single_engine_and_transformers(engines):
+    from tests.test_monokernel_gpu import hf_logits
+
+    path, one, many = engines
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, one.config.vocab_size, n).tolist() for n in (200, 96, 150, 40)]
+    got = many.forward_logits_slots(seqs)
+    for s, g in zip(seqs, got):
+        assert g.shape == (len(s), one.config.vocab_size) and np.isfinite(g).all()
+        assert rel(g, one.forward_logits(s)) <= SAME
+    assert rel(got[0], hf_logits(path, seqs[0])) <= TOL
+
+
+def test_concurrent_greedy_requests_equal_single_requests(engines):
+    from replicas.engine import FinishReason, SamplingParams
+
+    _, one, many = engines
+    ps = prompts(one.config.vocab_size, 3)
+    lens = [64, 17, 40, 33]
+    gens = [many.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
+    outs = [list(g) for g in gens]
+    for p, n, g, o in zip(ps, lens, gens, outs):
+        assert o == list(one.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)))
+        assert len(o) == n and g.finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_per_slot_equals_single(engines):
+    from replicas.engine import SamplingParams
+
+    _, one, many = engines
+    ps = prompts(one.config.vocab_size, 4)
+    params = [SamplingParams(max_tokens=30, seed=7, temperature=1.3, ignore_eos=True),
+              SamplingParams(max_tokens=30, seed=8, temperature=0.9, top_k=40, top_p=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=30, seed=9, temperature=0.7, top_p=0.8, ignore_eos=True)]
+    outs = [list(g) for g in [many.generate(p, q) for p, q in zip(ps, params)]]
+    for p, q, o in zip(ps, params, outs):
+        assert o == list(one.generate(p, q))
+
+
+def test_joins_resume_running_slots_exactly(engines):
+    """Two requests decode; two more join mid-way (each join: the launch yields, the newcomers are
+    prefilled, every slot resumes): all four outputs equal their single-engine outputs."""
+    from replicas.engine import SamplingParams
+
+    _, one, many = engines
+    ps = prompts(one.config.vocab_size, 5)
+    q = SamplingParams(max_tokens=120, ignore_eos=True)
+    launches = many.launches
+    first = [many.generate(p, q) for p in ps[:2]]
+    heads = [[next(g) for _ in range(10)] for g in first]
+    late = [many.generate(p, q) for p in ps[2:]]
+    t0 = time.perf_counter()
+    late_first = [next(g) for g in late]
+    join_s = time.perf_counter() - t0
+    outs = [h + list(g) for h, g in zip(heads, first)] + [[f] + list(g) for f, g in zip(late_first, late)]
+    for p, o in zip(ps, outs):
+        assert o == list(one.generate(p, q))
+    assert many.launches - launches >= 2  # the joins really relaunched
+    assert join_s < 5.0
+
+
+def test_stop_cancel_and_busy_are_per_slot(engines):
+    from replicas.engine import EngineBusy, FinishReason, SamplingParams
+
+    _, one, many = engines
+    ps = prompts(one.config.vocab_size, 6)
+    q = SamplingParams(max_tokens=48, ignore_eos=True)
+    ref = [list(one.generate(p, q)) for p in ps]
+    j = next((i for i in range(1, 48) if ref[0][i] not in ref[0][:i]), None)
+    stop_q = SamplingParams(max_tokens=48, stop_token_ids=[ref[0][j]], ignore_eos=True) if j else q
+    gens = [many.generate(ps[0], stop_q)] + [many.generate(p, q) for p in ps[1:]]
+    with pytest.raises(EngineBusy):
+        many.generate(ps[0], q)
+    got1 = [next(gens[1]) for _ in range(3)]
+    gens[1].cancel()
+    rest = [list(g) for g in (gens[0], gens[2], gens[3])]
+    list(gens[1])
+    assert gens[1].finish_reason is FinishReason.CANCELLED and got1 == ref[1][:3]
+    if j:
+        assert rest[0] == ref[0][:j] and gens[0].finish_reason is FinishReason.STOP
+    assert rest[1] == ref[2] and rest[2] == ref[3]
+    assert list(many.generate(ps[1], q)) == ref[1]  # the cancelled slot is free and clean again
