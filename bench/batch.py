@@ -83,7 +83,21 @@ def join_cost(engine, prompt, running_prompts, n_new: int) -> dict:
             "running_worst_gap_ms": round(max(gaps) * 1e3, 2)}
 
 
-def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int) -> dict:
+PHASES = ["lm_head+sample", "qkv", "attention", "attn+o", "mlp", "down"]
+
+
+def phase_profile(cp, engine, run, layers: int) -> dict:
+    """Block 0's barrier-to-barrier µs per phase (LM head per step, the others per layer-step) of the
+    last launch of `run()` (csrc/monokernel.cu prof[])."""
+    engine.profile = cp.zeros(13, cp.uint64)
+    run()
+    prof = cp.asnumpy(engine.profile).astype(float)
+    engine.profile = None
+    steps = max(prof[6], 1)
+    return {nm: round(prof[i] / steps / 1e3 / (1 if i == 0 else layers), 2) for i, nm in enumerate(PHASES) if prof[i]}
+
+
+def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -96,6 +110,9 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int) -> d
     time_generation(one, prompt, 32)
     r1 = [(c - 1) / dt for dt, c, _ in (time_generation(one, prompt, n_new) for _ in range(runs))]
     out["single_tok_s"] = round(statistics.median(r1), 1)
+    if profile:
+        out["single_phase_us"] = phase_profile(cp, one, lambda: time_generation(one, prompt, n_new), config.num_hidden_layers)
+        print(json.dumps({"preset": preset, "single_phase_us": out["single_phase_us"]}), flush=True)
     del one
     cp.get_default_memory_pool().free_all_blocks()
     out["builds"] = []
@@ -112,9 +129,12 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int) -> d
             agg = statistics.median(m[1] for m in meas)
             row["occupancy"][n] = {"per_request_tok_s": round(per, 1), "aggregate_tok_s": round(agg, 1),
                                    "per_request_vs_single": round(per / out["single_tok_s"], 3)}
+            if profile:
+                row["occupancy"][n]["phase_us"] = phase_profile(
+                    cp, eng, lambda: run_together(eng, ps[:n], n_new), config.num_hidden_layers)
             print(json.dumps({"preset": preset, "batch": b, "n": n, **row["occupancy"][n]}), flush=True)
             n *= 2
-        if b == max(builds):
+        if b == max(builds) and not profile:
             row["join"] = join_cost(eng, ps[-1], ps[:max(1, b // 2)], 4 * n_new)
             print(json.dumps({"preset": preset, "batch": b, "join": row["join"]}), flush=True)
         row["launches"] = eng.launches
@@ -132,6 +152,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", action="store_true", help="also record the kernel's phase times per occupancy")
     args = ap.parse_args()
     import cupy as cp
 
@@ -140,7 +161,7 @@ def main() -> None:
                "presets": []}
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
-        results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs))
+        results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile))
     lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts",
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]

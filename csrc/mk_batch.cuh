@@ -15,7 +15,7 @@
 #define MK_SLOT_STOPS(p, b) ((p).slot_stop + (b) * MK_MAX_STOP)
 #else
 #define MK_SLOT(p, b, field) ((p).field)
-#define MK_SLOT_STEP0(p, b) 0
+#define MK_SLOT_STEP0(p, b) ((int)(p).step0)
 #define MK_SLOT_ACTIVE(p, b) true
 #define MK_SLOT_STOPS(p, b) ((p).stop_ids)
 #endif

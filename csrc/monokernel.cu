@@ -10,8 +10,9 @@
 // token is chosen from every GPU's vocabulary slice; MK_TP == 1 compiles exactly the code above.
 // With MK_BATCH = B > 1 (mk_batch.cuh) B slots decode together: every phase loops over the slots
 // where it touches activations, once per weight chunk; a slot that finishes stops being decoded
-// (its bit leaves `live`) and the launch ends when none is left, or at a step boundary the host asks
-// for (host_kctl[MK_KCTL_YIELD], to admit a request: the next launch resumes every slot).
+// (its bit leaves `live`) and the launch ends when none is left. Any build given host_kctl also ends
+// at a step boundary the host asks for (host_kctl[MK_KCTL_YIELD], to admit a request: the batched
+// engine's next launch resumes every slot; kctl gets the exit state).
 #include "mk_params.cuh"
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
@@ -120,10 +121,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 
   int step = 0;
   for (;; step++) {
-#if MK_BATCH > 1
-    // the host asked to admit a request (read in the last step's final phase, so every block agrees)
-    if (step > 0 && __ldcg(p.cancel_step + kB) != 0) break;
-#endif
+    // the host asked to admit a request (read in the last step's final phase, so every block agrees;
+    // only launches given host_kctl: the batched engine's, fused layouts)
+    if (step > 0 && p.host_kctl != nullptr && __ldcg(p.cancel_step + kB) != 0) break;
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
 #if MK_BATCH > 1
     residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
@@ -324,9 +324,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         fused_down(st, p, s_act, fx_turn, live);
         fx_turn++;
       }
-#if MK_BATCH > 1
-      if (layer == MK_L - 1 && blockIdx.x == 0 && threadIdx.x == 0) p.cancel_step[kB] = p.host_kctl[MK_KCTL_YIELD];
-#endif
+      if (layer == MK_L - 1 && p.host_kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+        p.cancel_step[kB] = p.host_kctl[MK_KCTL_YIELD];
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
       MK_MARK(4);
@@ -349,8 +348,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif  // MK_FUSED_MLP
     }
   }
-#if MK_BATCH > 1
-  if (blockIdx.x == 0 && threadIdx.x == 0) { p.kctl[0] = (int)fx_turn; p.kctl[1] = step; }
+#if MK_FUSED_MLP
+  if (p.kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0) { p.kctl[0] = (int)fx_turn; p.kctl[1] = step; }
 #endif
   if (prof_on)
     for (int k = 0; k < 13; k++) p.profile[k] = prof[k];

@@ -72,6 +72,9 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("teacher", "long long"), ("mode", "long long"), ("top_k", "long long"),
     ("seed", "unsigned long long"), ("inv_temperature", "double"), ("top_p", "double"),
     ("logits_per_step", "long long"),
+    # resuming (the batched engine): tokens emitted by earlier launches (positions and RNG counters
+    # continue), the host-mapped yield request and the exit state (null: never yield)
+    ("step0", "long long"), ("host_kctl", "volatile int*"), ("kctl", "int*"),
 )
 
 # Extra fields of a tensor-parallel build (MK_TP > 1), after PARAM_FIELDS: this GPU's exchange
@@ -89,8 +92,6 @@ TP_HEADER_WORDS = 256
 BATCH_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("slots", "const MkSlot*"),  # [B] slot table (SLOT_FIELDS), fixed for one launch
     ("slot_stop", "const int*"),  # [B][MAX_STOP_IDS] stop token ids
-    ("host_kctl", "volatile int*"),  # host-mapped kernel control: [KCTL_YIELD] = exit at the next step boundary
-    ("kctl", "int*"),  # device words the kernel leaves at exit: [0] fused turn, [1] steps run
     ("fx_turn0", "long long"),  # fused-MLP turn to resume from (0 on a fresh launch; kctl[0] of the last one)
 )
 # One slot of a batch launch: 8-byte fields in this order (struct MkSlot, generated).

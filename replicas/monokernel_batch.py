@@ -1,7 +1,8 @@
 """GPU state of a batch monokernel build (layout option batch = B > 1, csrc/mk_batch.cuh).
 
 B sequences ("slots") decode in one persistent launch: every weight chunk is streamed once per step
-and dotted with all live slots' inputs. Per-slot KV cache, buffers and host-mapped control words;
+and dotted with all live slots' inputs; a lone slot runs the single-sequence build of the same
+layout instead (`launch_single`, same packed weights), at the B = 1 engine's speed. Per-slot KV cache, buffers and host-mapped control words;
 the slot table (replicas/layout.py SLOT_FIELDS) gives each slot its position, budget, stops and
 sampling. A launch ends when every slot has finished or, when the host asks (`request_yield`), at
 the next step boundary; the next launch resumes the running slots where they were (positions, RNG
@@ -58,6 +59,22 @@ class BatchGpuModel(GpuModel):
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**(layout_options or {}), "batch": int(batch)})
         self.batch = self.layout.batch
+        # The single-sequence build of the same layout (same packed weights): a lone slot decodes at
+        # exactly the B = 1 engine's speed (launch_single), on its slot's KV and host words.
+        from replicas.layout import KernelLayout
+        from replicas.layout_tuned import engine_options
+        from replicas.monokernel_build import load_module
+
+        cp = self.cp
+        with cp.cuda.Device(device):
+            self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
+                                                          **engine_options(config, layout_options))
+            assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
+            self.single_kernel = load_module(self.single_layout)
+            self.single_work = {k: cp.zeros(n, cp.float32) for k, n in self.single_layout.buffer_sizes().items()}
+            self.single_best_idx = cp.zeros(self.single_layout.total_warps, cp.int32)
+            self.single_control = cp.zeros(8, cp.uint32)  # bar_count, bar_flag, cancel + yield seen, shared_token
+            self.single_params = cp.zeros(len(self.single_layout.param_fields()), cp.uint64)
 
     def _allocate(self, tensors, progress) -> None:
         super()._allocate(tensors, progress)
@@ -136,9 +153,7 @@ class BatchGpuModel(GpuModel):
                     x[:, b] = 0
                     x[0, b, :self.config.hidden_size] = fresh[b]
                     acc[:, b] = 0
-                    self.slot_ctrl(b)[:] = 0
-                else:
-                    self.slot_ctrl(b)[L.CTRL_DONE] = 0
+                self.slot_ctrl(b)[L.CTRL_DONE] = 0  # (a new request's words were zeroed when it was admitted)
             self.slot_table.set(table.reshape(-1), stream=self.stream)
             self.attn_cnt[:] = 0
             self.qkv_done[:] = 0
@@ -165,7 +180,7 @@ class BatchGpuModel(GpuModel):
             scalars = {  # the single-sequence scalars are unused by a batch build (the slot table has them)
                 "start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": int(teacher), "mode": 0, "top_k": 0,
                 "seed": 0, "inv_temperature": 1.0, "top_p": 1.0,
-                "logits_per_step": b_n * self.config.vocab_size if teacher else 0, "fx_turn0": fx_turn0,
+                "logits_per_step": b_n * self.config.vocab_size if teacher else 0, "fx_turn0": fx_turn0, "step0": 0,
             }
             fields = lay.param_fields()
             missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
@@ -173,6 +188,70 @@ class BatchGpuModel(GpuModel):
             params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
             self.params_dev.set(params, stream=self.stream)
             self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+
+    def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
+        """Start the single-sequence build on slot b alone (its KV, token and control words): the
+        B = 1 kernel's code and speed. Resumes at s.step0 from the hidden state x_last [H]."""
+        cp, lay, w, ctx = self.cp, self.single_layout, self.single_work, self.max_context
+        if len(s.stop_ids) > L.MAX_STOP_IDS:
+            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(s.stop_ids)}")
+        with cp.cuda.Device(self.device), self.stream:
+            w["xbuf"][:] = 0
+            w["xbuf"][:self.config.hidden_size] = x_last
+            w["dn_part"][:] = 0
+            stops = self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS]
+            stops[:] = 0
+            if len(s.stop_ids):
+                stops[:len(s.stop_ids)] = cp.asarray(list(s.stop_ids), cp.int32)
+            self.attn_cnt[:] = 0
+            self.qkv_done[:] = 0
+            self.single_control[:] = 0
+            self.kctl[:] = 0
+            self.host_kctl.array[:] = 0
+            self.slot_ctrl(b)[L.CTRL_DONE] = 0
+            ctl = self.single_control.data.ptr
+            ptrs = {
+                **{k: v.data.ptr for k, v in self.weights.items()},
+                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
+                "k_cache": self.k_cache[b].data.ptr, "v_cache": self.v_cache[b].data.ptr,
+                **{k: v.data.ptr for k, v in w.items()},
+                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr,
+                "best_idx": self.single_best_idx.data.ptr, "logits": self.logits1.data.ptr,
+                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
+                "tokens": self.tokens[b * ctx:].data.ptr, "forced": self.forced[b * ctx:].data.ptr,
+                "stop_ids": stops.data.ptr,
+                "host_tokens": self.host_tokens.dev_ptr + 4 * b * ctx,
+                "host_ctrl": self.host_ctrl.dev_ptr + 4 * b * L.CTRL_WORDS,
+                "profile": profile.data.ptr if profile is not None else 0,
+                "host_kctl": self.host_kctl.dev_ptr, "kctl": self.kctl.data.ptr,
+            }
+            scalars = {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
+                       "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
+                       "inv_temperature": 1.0 / s.temperature if s.temperature > 0 else 1.0, "top_p": s.top_p,
+                       "logits_per_step": 0, "step0": s.step0}
+            fields = lay.param_fields()
+            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
+            assert not missing, f"parameter block fields without a value: {missing}"
+            params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
+            self.single_params.set(params, stream=self.stream)
+            self.single_kernel((lay.num_sms,), (lay.threads,), (self.single_params,), shared_mem=lay.smem_bytes)
+
+    def hidden_state(self, b: int, single: bool):
+        """Slot b's hidden state after the last launch (which must have finished): its residual
+        stream plus the last fused-MLP accumulator, as the kernel's next LM head would read it
+        (x + int64 * 2^-32 in fp32; the scale is a power of two, so no rounding step differs)."""
+        cp, hp, h = self.cp, self.layout.hp, self.config.hidden_size
+        turn, _ = self.exit_state()
+        t = (turn - 1) & 1
+        with cp.cuda.Device(self.device), self.stream:
+            if single:
+                w = self.single_work
+                x, acc = w["xbuf"][:h], w["dn_part"].view(cp.int64).reshape(2, hp)[t, :h]
+            else:
+                w, n = self.work, self.layout.batch
+                x = w["xbuf"].reshape(2, n, hp)[0, b, :h]
+                acc = w["dn_part"].view(cp.int64).reshape(2, n, hp)[t, b, :h]
+            return x + acc.astype(cp.float32) * cp.float32(2.0 ** -32)
 
     def exit_state(self) -> tuple[int, int]:
         """(fused turn, steps run) the last launch left (after it finished)."""

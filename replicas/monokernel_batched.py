@@ -8,10 +8,11 @@ host-mapped memory, forwards cancels (the kernel drops that slot at its next ste
 slots that finish — the others keep decoding in the same launch. A new request is prefilled with
 cuBLAS, which needs the SMs the persistent kernel holds, so admitting one asks the running launch to
 end at its next step boundary (`request_yield`); the scheduler prefills the newcomers into free slots
-and relaunches with every running slot resumed where it was (its positions, RNG counters and
-accumulators live in GPU memory). So a join costs the running slots one prefill plus one relaunch,
-and the joining request waits at most one step for its prefill to start. The launch ends by itself
-when no slot is left.
+and relaunches with every running slot resumed where it was (its KV, emitted count and RNG counter
+are kept; its hidden state is handed over). So a join costs the running slots one prefill plus one
+relaunch, and the joining request waits at most one step for its prefill to start. A launch with a
+single occupied slot runs the single-sequence build of the same layout (the B = 1 engine's speed);
+a batch launch left with one slot yields to it. A launch ends by itself when no slot is left.
 
 Same tokens as the single-sequence engine for the same request (slots do not interact): each slot's
 math is the B = 1 kernel's, except that its int64 fixed-point sums are exact in any order.
@@ -37,6 +38,9 @@ from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_re
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
 
 
+SWITCH_MIN_TOKENS = 16  # a batch launch left with one slot yields to the single build if more remain
+
+
 @dataclass
 class _Request:
     ids: list[int]
@@ -60,21 +64,35 @@ class BatchedMonokernelEngine:
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
-        self.config = config
-        self.gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
-                                 progress=progress, layout_options=layout_options)
-        self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
+        gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
+                            progress=progress, layout_options=layout_options)
         from replicas.monokernel_prefill import Prefill
 
-        self._prefill = [Prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
+        self._start(config, gpu, devices, Prefill)
+
+    @classmethod
+    def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,)) -> BatchedMonokernelEngine:
+        """Exists for tests (tests/test_monokernel_batch_cpu.py): the engine around an already built `gpu`
+        (BatchGpuModel, or a stand-in with its slot API) and `prefill(slot_view)` -> an object whose
+        `run(ids, all_logits=False)` prefills that slot (monokernel_prefill.Prefill)."""
+        engine = cls.__new__(cls)
+        engine._start(config, gpu, list(devices), prefill)
+        return engine
+
+    def _start(self, config: ModelConfig, gpu, devices: list[int], prefill) -> None:
+        self.config, self.gpu = config, gpu
+        self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
+        self._prefill = [prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * self.max_batch
-        self._fx_turn = 0
+        self._x: dict[int, object] = {}  # slot -> hidden state to (re)start it from (CuPy [H])
         self._closed = False
         self._running = False  # a launch is on the GPU
+        self._admitting = 0  # requests taken from _pending whose prefill has not put them in a slot yet
         self.profile = None  # CuPy uint64[13]: phase times of each launch (bench)
-        self.launches = 0  # relaunches so far (joins cost one each)
+        self.launches = 0  # launches so far (each join costs one)
+        self.single_launches = 0  # of which on the single-sequence build (one slot occupied)
         self.join_latencies: deque[float] = deque(maxlen=256)  # submit -> prefill start, seconds
         self._thread = threading.Thread(target=self._schedule, name="mk-batch-scheduler", daemon=True)
         self._thread.start()
@@ -98,17 +116,21 @@ class BatchedMonokernelEngine:
         with self._cv:
             if self._closed:
                 raise EngineBusy("the engine is closed")
-            if len(self._pending) + sum(s is not None for s in self._slots) >= self.max_batch:
+            if len(self._pending) + self._admitting + sum(s is not None for s in self._slots) >= self.max_batch:
                 raise EngineBusy(f"all {self.max_batch} slots of the batched monokernel are busy; "
                                  "retry when one finishes")
             req = _Request(ids, params, stops, threading.Event())
+
+            def steps(cancel: threading.Event):
+                req.cancel = cancel  # watched from the start: cancel()/close() before next() frees the slot too
+                return self._stream(req, cancel)
+
+            gen = Generation(steps)
             self._pending.append(req)
             self._cv.notify_all()
-        return Generation(lambda cancel: self._stream(req, cancel))
+        return gen
 
     def _stream(self, req: _Request, cancel: threading.Event):
-        # Generation's own cancel event is the one the scheduler watches
-        req.cancel = cancel
         finished = False
         try:
             while True:
@@ -208,6 +230,7 @@ class BatchedMonokernelEngine:
                         r.out.put(("err", e))
                 with self._cv:
                     self._running = False
+                    self._admitting = 0
 
     def _take_joins(self) -> list[_Request]:
         """Pending requests that fit the free slots (called with the lock held)."""
@@ -215,37 +238,47 @@ class BatchedMonokernelEngine:
         joins = []
         while self._pending and len(joins) < free:
             joins.append(self._pending.popleft())
+        self._admitting = len(joins)  # still busy slots for generate() until admitted
         self._running = True  # forward_logits must not start meanwhile
         return joins
 
     def _admit(self, joins: list[_Request]) -> None:
         """Prefill each join into a free slot (the GPU is ours: no launch is running)."""
-        self._fresh = {}
         for r in joins:
             if r.cancel.is_set():
+                with self._cv:
+                    self._admitting -= 1
                 r.out.put(("end", FinishReason.CANCELLED, None))
                 continue
             b = self._slots.index(None)
             r.admitted = time.perf_counter()
             self.join_latencies.append(r.admitted - r.submitted)
+            self.gpu.slot_ctrl(b)[:] = 0  # a new request's control words
             with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
                 x_last, _ = self._prefill[b].run(r.ids)
             p = r.params
             r.spec = SlotSpec(start_pos=len(r.ids), max_steps=min(p.max_tokens, self.max_context - len(r.ids)),
                               mode=sampling_mode(p), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                               seed=sampling_seed(p), stop_ids=r.stops)
-            self._slots[b] = r
-            self._fresh[b] = x_last
+            with self._cv:
+                self._slots[b] = r
+                self._admitting -= 1
+            self._x[b] = x_last
 
     def _decode(self) -> None:
-        """One launch over the occupied slots, streaming until it ends (all done, or a yield)."""
+        """One launch over the occupied slots, streaming until it ends (all done, or a yield). A lone
+        slot runs the single-sequence build; every slot resumes from its hidden state and emitted count."""
         gpu = self.gpu
-        specs = []
-        for b, r in enumerate(self._slots):
-            if r is not None and b not in self._fresh:
-                r.spec.step0 = int(gpu.slot_ctrl(b)[L.CTRL_COUNT])  # resume after what it emitted
-            specs.append(r.spec if r is not None else None)
-        gpu.launch_slots(specs, fresh=self._fresh, fx_turn0=self._fx_turn, profile=self.profile)
+        occupied = [b for b, r in enumerate(self._slots) if r is not None]
+        for b in occupied:
+            self._slots[b].spec.step0 = int(gpu.slot_ctrl(b)[L.CTRL_COUNT])  # resume after what it emitted
+        single = len(occupied) == 1
+        if single:
+            gpu.launch_single(occupied[0], self._slots[occupied[0]].spec, self._x[occupied[0]], profile=self.profile)
+            self.single_launches += 1
+        else:
+            gpu.launch_slots([r.spec if r is not None else None for r in self._slots],
+                             fresh={b: self._x[b] for b in occupied}, profile=self.profile)
         self.launches += 1
         yielded = False
         while True:
@@ -253,15 +286,23 @@ class BatchedMonokernelEngine:
             self._drain(final=not running)
             if not running:
                 break
-            with self._cv:
-                joinable = self._pending and (self._closed is False) and any(
-                    s is None for s in self._slots)
-            if joinable and not yielded:
-                gpu.request_yield()
+            if not yielded and (self._join_waiting() or (not single and self._lone_left())):
+                gpu.request_yield()  # admit the newcomer, or move a lone slot to the single build
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()
-        self._fx_turn, _ = gpu.exit_state()
+        for b, r in enumerate(self._slots):
+            if r is not None:
+                self._x[b] = gpu.hidden_state(b, single)
+
+    def _join_waiting(self) -> bool:
+        with self._cv:
+            return bool(self._pending) and not self._closed and any(s is None for s in self._slots)
+
+    def _lone_left(self) -> bool:
+        """One slot still decodes in a batch launch, with enough tokens left to pay for a relaunch."""
+        left = [r for r in self._slots if r is not None]
+        return len(left) == 1 and left[0].spec.max_steps - left[0].sent > SWITCH_MIN_TOKENS
 
     def _drain(self, final: bool) -> None:
         """Send each slot's new tokens, forward cancels, free finished slots."""
@@ -284,7 +325,7 @@ class BatchedMonokernelEngine:
                 if r.cancel.is_set():
                     status = FinishReason.CANCELLED
                 stop = int(ctrl[L.CTRL_STOP_TOKEN]) if status is FinishReason.STOP else None
-                r.out.put(("end", status, stop))
-                with self._cv:
+                with self._cv:  # free the slot first: a caller that saw the end may reuse it at once
                     self._slots[b] = None
                     self._cv.notify_all()
+                r.out.put(("end", status, stop))

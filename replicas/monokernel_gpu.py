@@ -177,12 +177,13 @@ class GpuModel:
                 "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
                 "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
                 "profile": profile.data.ptr if profile is not None else 0,
+                "host_kctl": 0, "kctl": 0,  # this engine never asks a launch to yield
             }
             scalars = {
                 "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
                 "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
                 "inv_temperature": 1.0 / temperature if temperature > 0 else 1.0, "top_p": top_p,
-                "logits_per_step": self.config.vocab_size if logits is not None else 0,
+                "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
                 **self.tp_params,
             }
             fields = lay.param_fields()

@@ -127,3 +127,23 @@ def test_stop_cancel_and_busy_are_per_slot(engines):
         assert rest[0] == ref[0][:j] and gens[0].finish_reason is FinishReason.STOP
     assert rest[1] == ref[2] and rest[2] == ref[3]
     assert list(many.generate(ps[1], q)) == ref[1]  # the cancelled slot is free and clean again
+
+
+def test_lone_slot_runs_the_single_build_and_switches_exactly(engines):
+    """A lone request runs the single-sequence build; a join moves it to the batch build and, when the
+    other finishes, back: a seeded sampled request stays token-for-token the single engine's."""
+    from replicas.engine import SamplingParams
+
+    _, one, many = engines
+    ps = prompts(one.config.vocab_size, 7, 2)
+    long_q = SamplingParams(max_tokens=150, seed=21, temperature=1.1, top_k=50, ignore_eos=True)
+    short_q = SamplingParams(max_tokens=30, seed=22, temperature=1.2, ignore_eos=True)
+    singles = many.single_launches
+    gen = many.generate(ps[0], long_q)
+    head = [next(gen) for _ in range(20)]
+    assert many.single_launches == singles + 1  # alone: the single build
+    other = list(many.generate(ps[1], short_q))  # joins: batch launch, then back to single
+    out = head + list(gen)
+    assert out == list(one.generate(ps[0], long_q))
+    assert other == list(one.generate(ps[1], short_q))
+    assert many.single_launches >= singles + 2
