@@ -6,6 +6,8 @@ Example (every field optional except `model`, unless `engine: paced`):
     engine: auto            # auto | reference | monokernel | paced
     replicas: {min: 2, max: 4, gpus_per_replica: 8, cpus_per_replica: 1,
                session_cache_mb: 1024, max_sessions: 64}   # agent-session KV kept between turns
+    # engine: monokernel with replicas.max_batch 2..8 = one batched engine per GPU; it needs
+    # tensor_parallel_size: 1 and no session settings (it keeps no session KV)
     router: {host: 0.0.0.0, port: 50051, http_port: 8000, metrics_port: 9090}
     autoscaling: {scale_up_after_s: 5, scale_down_idle_s: 60}
     ray: {address: auto}    # or null: start a local Ray with `num_gpus` logical GPUs
@@ -44,15 +46,18 @@ class ReplicaSettings(_Section):
     tensor_parallel_size: int | None = Field(
         None, ge=1, description="GPUs one engine spans; defaults to gpus_per_replica and must divide it.")
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved in each replica's placement group.")
-    max_batch: int = Field(1, ge=1, description="Concurrent generations per replica (engine slots).")
+    max_batch: int = Field(
+        1, ge=1, description="Concurrent generations per engine (slots); monokernel: 2..8 = the batched engine.")
     paced_tokens_per_s: float = Field(200.0, gt=0, description="Token rate of the `paced` test engine.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
-    session_cache_mb: float = Field(
-        1024.0, ge=0, allow_inf_nan=False,
-        description="MiB of agent-session KV each engine keeps between turns (engines with session reuse).")
-    max_sessions: int = Field(
-        64, ge=0, description="Agent sessions each engine keeps between turns, LRU; 0 = no reuse.")
+    # None = the engine default, kept apart from a given value (the batched monokernel refuses those)
+    session_cache_mb: float | None = Field(
+        None, ge=0, allow_inf_nan=False,
+        description="MiB of agent-session KV each engine keeps between turns (engines with session reuse); "
+                    "default 1024.")
+    max_sessions: int | None = Field(
+        None, ge=0, description="Agent sessions each engine keeps between turns, LRU; 0 = no reuse; default 64.")
 
     @model_validator(mode="after")
     def _check(self) -> ReplicaSettings:
@@ -120,6 +125,13 @@ class ClusterConfig(_Section):
             raise ValueError("model is required: give the checkpoint directory (model: /path/to/checkpoint)")
         if self.engine == "monokernel" and self.replicas.gpus_per_replica == 0:
             raise ValueError("engine 'monokernel' needs GPUs: set replicas.gpus_per_replica >= 1")
+        from replicas.monokernel_choice import fields_problem
+
+        rs = self.replicas
+        problem = fields_problem(self.engine, rs.max_batch, rs.tp, rs.session_cache_mb, rs.max_sessions,
+                                 prefix="replicas.", tp_given=rs.tensor_parallel_size is not None)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -39,11 +39,15 @@ class ServeAppArgs(BaseModel):
     gpus_per_replica: int = Field(8, ge=0)
     cpus_per_replica: float = Field(1.0, gt=0)
     tensor_parallel_size: int | None = Field(None, ge=1)
-    max_batch: int = Field(1, ge=1, description="Engine slots = Serve max_ongoing_requests per replica.")
+    max_batch: int = Field(1, ge=1, description="Engine slots = Serve max_ongoing_requests per replica; "
+                                                "monokernel: 2..8 = the batched engine.")
     paced_tokens_per_s: float = Field(200.0, gt=0)
-    session_cache_mb: float = Field(1024.0, ge=0, allow_inf_nan=False,
-                                    description="MiB of agent-session KV each engine keeps between turns.")
-    max_sessions: int = Field(64, ge=0, description="Agent sessions each engine keeps between turns; 0 = no reuse.")
+    # None = the engine default, kept apart from a given value (the batched monokernel refuses those)
+    session_cache_mb: float | None = Field(None, ge=0, allow_inf_nan=False,
+                                           description="MiB of agent-session KV each engine keeps between turns "
+                                                       "(default 1024).")
+    max_sessions: int | None = Field(None, ge=0, description="Agent sessions each engine keeps between turns; "
+                                                             "0 = no reuse (default 64).")
     ingress_replicas: int = Field(1, ge=1)
     ingress_cpus: float = Field(1.0, gt=0)
     routing_stats_period_s: float = Field(1.0, gt=0, description="How often replicas report load to the router.")
@@ -55,7 +59,18 @@ class ServeAppArgs(BaseModel):
         tp = self.tensor_parallel_size
         if tp is not None and (self.gpus_per_replica == 0 or self.gpus_per_replica % tp):
             raise ValueError(f"tensor_parallel_size ({tp}) must divide gpus_per_replica ({self.gpus_per_replica})")
+        from replicas.monokernel_choice import fields_problem
+
+        problem = fields_problem(self.engine, self.max_batch, self.tp, self.session_cache_mb, self.max_sessions,
+                                 tp_given=tp is not None)
+        if problem:
+            raise ValueError(problem)
         return self
+
+    @property
+    def tp(self) -> int:
+        """Effective tensor-parallel size: defaults to all of a replica's GPUs (at least 1)."""
+        return self.tensor_parallel_size or max(self.gpus_per_replica, 1)
 
     @property
     def slots(self) -> int:
@@ -81,7 +96,7 @@ def build_app(args: dict | None = None):
                              for err in e.errors())
         raise ValueError(f"invalid monoserve Serve app arguments: {problems}") from None
     spec = ReplicaSpec(replica_id="serve", model=a.model, engine=a.engine, model_name=a.served_name,
-                       tensor_parallel_size=a.tensor_parallel_size or max(a.gpus_per_replica, 1),
+                       tensor_parallel_size=a.tp,
                        max_batch=a.max_batch, paced_tokens_per_s=a.paced_tokens_per_s,
                        session_cache_mb=a.session_cache_mb, max_sessions=a.max_sessions)
     bundle = placement_bundle(a.gpus_per_replica, a.cpus_per_replica)

@@ -7,6 +7,8 @@ process they are ordinals 0..n-1, which become the engine's devices. The actor s
 engine (monokernel where CUDA + CuPy are present and the kind is `auto`, the numpy reference
 engine otherwise) and a `ReplicaServer` bound to the node's IP, then answers
 ready/health/drain/stop/info. The router talks to the replica over gRPC, never through Ray.
+On the monokernel, max_batch 2..8 means one batched engine per GPU (tensor_parallel_size 1;
+replicas/monokernel_choice.py says which settings it refuses).
 
 The class is plain Python; `remote_class()` wraps it with `ray.remote` (threaded, so health
 answers while a drain waits).
@@ -36,11 +38,13 @@ class ReplicaSpec:
     engine: str = "auto"
     model_name: str | None = None
     tensor_parallel_size: int = 1
-    max_batch: int = 1
+    max_batch: int = 1  # monokernel: 2..8 = the batched engine (one per GPU: tensor_parallel_size 1)
     paced_tokens_per_s: float = 200.0
-    # agent-session KV kept between turns (engines that support sessions; ignored by the others)
-    session_cache_mb: float = 1024.0
-    max_sessions: int = 64  # 0 = no reuse
+    # agent-session KV kept between turns (engines that support sessions; ignored by the others).
+    # None = the default (1024 MiB, 64 sessions): kept apart from a given value, which the batched
+    # monokernel refuses (it keeps no session KV)
+    session_cache_mb: float | None = None
+    max_sessions: int | None = None  # 0 = no reuse
     host: str | None = None  # bind address; None = the node's IP as Ray sees it
     port: int = 0
     extra: dict = field(default_factory=dict)  # forwarded to ReplicaServer (e.g. metrics_port)
@@ -51,16 +55,31 @@ class ReplicaSpec:
         if self.model is None and self.engine != "paced":
             raise ValueError(f"replica {self.replica_id}: model directory is required for engine {self.engine!r}")
         mb, n = self.session_cache_mb, self.max_sessions
-        if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb) or mb < 0:
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not math.isfinite(mb)
+                               or mb < 0):
             raise ValueError(f"replica {self.replica_id}: session_cache_mb must be a number of MiB >= 0, got {mb!r}")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise ValueError(f"replica {self.replica_id}: max_sessions must be an integer >= 0 "
                              f"(0 turns session reuse off), got {n!r}")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ValueError(f"replica {self.replica_id}: max_batch must be an integer >= 1, got {self.max_batch!r}")
+        problem = self.batch_problem(self.engine)  # `auto`: judged once it picked (monokernel_loader)
+        if problem:
+            raise ValueError(f"replica {self.replica_id}: {problem}")
 
     def session_limits(self) -> dict[str, int]:
         """The session-cache keywords of `ReferenceEngine.from_pretrained` (and of any engine
         factory that takes the same names)."""
-        return {"session_cache_bytes": int(self.session_cache_mb * 2**20), "max_sessions": self.max_sessions}
+        from replicas.session_cache import session_limits
+
+        return session_limits(self.session_cache_mb, self.max_sessions)
+
+    def batch_problem(self, engine: str) -> str | None:
+        """Why `engine` cannot serve this spec's max_batch (None when it can; only the monokernel refuses)."""
+        from replicas.monokernel_choice import fields_problem
+
+        return fields_problem(engine, self.max_batch, self.tensor_parallel_size, self.session_cache_mb,
+                              self.max_sessions)
 
 
 def placement_bundle(gpus: int, cpus: float) -> dict[str, float]:
@@ -105,17 +124,31 @@ def make_engine(spec: ReplicaSpec, devices: list[int]):
     if kind == "monokernel":
         if not devices:
             raise RuntimeError(f"replica {spec.replica_id}: engine 'monokernel' needs GPUs but Ray granted none")
-        from replicas.monokernel import MonokernelEngine
-
-        limits = supported_kwargs(MonokernelEngine.from_pretrained, spec.session_limits())
-        return engines_per_gpu_group(
-            lambda group: MonokernelEngine.from_pretrained(spec.model, devices=group, **limits),
-            devices, spec.tensor_parallel_size)
+        return engines_per_gpu_group(monokernel_loader(spec), devices, spec.tensor_parallel_size)
     from replicas.model import ModelConfig
     from replicas.testing import PacedEngine, tiny_config
 
     config = ModelConfig.from_pretrained(spec.model) if spec.model else tiny_config()
     return PacedEngine(config, tokens_per_s=spec.paced_tokens_per_s, max_batch=spec.max_batch)
+
+
+def monokernel_loader(spec: ReplicaSpec):
+    """`load(gpu_group) -> engine` for the monokernel: batched for max_batch 2..8, else single-sequence."""
+    batch = spec.max_batch
+    problem = spec.batch_problem("monokernel")
+    if problem:  # only `auto` gets here (the spec refuses it for `monokernel`): max_batch was meant for
+        # whichever engine auto picks, so keep the single-sequence monokernel rather than fail the node
+        log.warning("replica %s: engine auto chose the monokernel, which cannot serve this: %s; "
+                    "serving one sequence per engine", spec.replica_id, problem)
+        batch = 1
+    if batch > 1:
+        from replicas.monokernel_batched import BatchedMonokernelEngine
+
+        return lambda group: BatchedMonokernelEngine.from_pretrained(spec.model, batch=batch, devices=group)
+    from replicas.monokernel import MonokernelEngine
+
+    limits = supported_kwargs(MonokernelEngine.from_pretrained, spec.session_limits())
+    return lambda group: MonokernelEngine.from_pretrained(spec.model, devices=group, **limits)
 
 
 def supported_kwargs(factory, kwargs: dict) -> dict:

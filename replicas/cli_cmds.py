@@ -61,6 +61,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("reference", "monokernel"), default="reference",
                    help="local engine: numpy reference (default) or the CUDA monokernel (GPU + CuPy)")
     p.add_argument("--devices", default="0", help="monokernel: comma-separated GPU ordinals (default 0)")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="monokernel: 2..8 builds the batched engine (one GPU; this prompt takes one of its "
+                        "slots: a check of that engine, not a speed-up); default 1 = single-sequence engine")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -145,7 +148,7 @@ def generate_local(args: argparse.Namespace, out=None, err=None) -> int:
 
     try:  # the same engine factory as `monoserve replica`
         engine = make_engine(argparse.Namespace(
-            engine=args.engine, model=str(model), max_batch=1, devices=_devices(args.devices)))
+            engine=args.engine, model=str(model), max_batch=args.max_batch, devices=_devices(args.devices)))
     except (ConfigError, CheckpointError, EngineUnavailable, argparse.ArgumentTypeError) as e:
         return _fail(str(e))
 

@@ -39,6 +39,13 @@ DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB of KV kept between turns
 DEFAULT_MAX_SESSIONS = 64
 
 
+def session_limits(session_cache_mb: float | None, max_sessions: int | None) -> dict[str, int]:
+    """The session keywords engine factories take, from the MiB / count users give (None = the default;
+    None rather than the default's value lets a caller tell "not given" apart)."""
+    return {"session_cache_bytes": DEFAULT_MAX_BYTES if session_cache_mb is None else int(session_cache_mb * 2**20),
+            "max_sessions": DEFAULT_MAX_SESSIONS if max_sessions is None else max_sessions}
+
+
 @dataclass(frozen=True)
 class SessionStats:
     """Counters since the engine started, and what is resident now."""

@@ -83,3 +83,28 @@ def test_streamed_text_never_splits_a_character(tiny_checkpoint):
     # a character cut off at the end is flushed as U+FFFD, like a full decode
     cut = tokenizer.encode("ok 😀", add_special_tokens=False).ids[:-1]
     assert "".join(stream_text(tokenizer, [], iter(cut))) == tokenizer.decode(cut)
+
+
+def test_generate_builds_the_batched_monokernel_when_asked(tiny_checkpoint, monokernel_builds, capsys):
+    base = ["generate", "--model", str(tiny_checkpoint), "hi", "--engine", "monokernel", "--max-tokens", "3",
+            "--tokens", "--ignore-eos"]
+    assert main(base + ["--max-batch", "4"]) == 0
+    assert main(base) == 0
+    assert "3 generated" in capsys.readouterr().err
+    assert [name for name, _ in monokernel_builds] == ["BatchedMonokernelEngine", "MonokernelEngine"]
+    assert monokernel_builds[0][1] == {"batch": 4, "devices": [0]}
+
+
+def test_generate_max_batch_refusals(tiny_checkpoint, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # a CPU machine: what it sees for the batched engine
+    base = ["generate", "--model", str(tiny_checkpoint), "hi", "--engine", "monokernel"]
+    assert main(base + ["--max-batch", "4"]) == 2
+    assert "error: --engine monokernel needs CuPy and an NVIDIA GPU" in capsys.readouterr().err
+    assert main(base + ["--max-batch", "9"]) == 2
+    assert "error: --max-batch 9: the monokernel decodes at most 8 sequences together" in capsys.readouterr().err
+    assert main(base + ["--max-batch", "2", "--devices", "0,1"]) == 2
+    assert "error: --max-batch 2 with --devices 0,1: tensor parallelism and batching" in capsys.readouterr().err
+    assert main(base + ["--max-batch", "0"]) == 2
+    assert "error: --max-batch must be >= 1, got 0" in capsys.readouterr().err

@@ -73,7 +73,8 @@ def test_session_cache_sizing_reaches_the_replica_spec(tmp_path):
     assert (spec.replica_id, spec.model, spec.model_name) == ("replica-1", "/models/llama", "llama")
     assert spec.tensor_parallel_size == 8 and spec.extra == {"metrics_port": 0}
     default = ClusterConfig.parse({"model": "m"}).replica_spec("r")
-    assert (default.session_cache_mb, default.max_sessions) == (1024.0, 64)
+    assert (default.session_cache_mb, default.max_sessions) == (None, None)  # not given: the engine default
+    assert default.session_limits() == {"session_cache_bytes": 2**30, "max_sessions": 64}
 
 
 @pytest.mark.parametrize("replicas, expected", [
@@ -87,3 +88,47 @@ def test_session_cache_sizing_reaches_the_replica_spec(tmp_path):
 def test_bad_session_cache_sizing_names_the_field(replicas, expected):
     with pytest.raises(ClusterConfigError, match=expected):
         ClusterConfig.parse({"model": "m", "replicas": replicas})
+
+
+# ---- engine: monokernel with max_batch > 1 (the batched engine) -----------------------------------
+def test_batched_monokernel_config_reaches_the_replica_spec():
+    cfg = ClusterConfig.parse({"model": "m", "engine": "monokernel",
+                               "replicas": {"max_batch": 4, "tensor_parallel_size": 1, "max_sessions": 0}})
+    spec = cfg.replica_spec("r")
+    assert (spec.engine, spec.max_batch, spec.tensor_parallel_size, spec.max_sessions) == ("monokernel", 4, 1, 0)
+    one_gpu = ClusterConfig.parse({"model": "m", "engine": "monokernel",
+                                   "replicas": {"max_batch": 8, "gpus_per_replica": 1}})
+    assert one_gpu.replica_spec("r").tensor_parallel_size == 1
+    # auto may pick the reference engine (any max_batch); the actor falls back on a GPU (see make_engine)
+    assert ClusterConfig.parse({"model": "m", "replicas": {"max_batch": 16}}).replicas.max_batch == 16
+
+
+@pytest.mark.parametrize("replicas, expected", [
+    ({"max_batch": 9, "tensor_parallel_size": 1},
+     "config: engine 'monokernel': replicas.max_batch 9: the monokernel decodes at most 8 sequences together on "
+     "one GPU (the kernel's limit, replicas.layout.MAX_BATCH); use replicas.max_batch 2..8"),
+    ({"max_batch": 4},
+     "config: engine 'monokernel': replicas.max_batch 4 with replicas.tensor_parallel_size 8 (the default: "
+     "replicas.gpus_per_replica): tensor parallelism and batching are not supported together (the "
+     "tensor-parallel monokernel decodes one sequence at a time); set replicas.tensor_parallel_size to 1 (one "
+     "batched engine per GPU: a replica with N GPUs serves N x max_batch), or keep replicas.max_batch 1"),
+    ({"max_batch": 2, "tensor_parallel_size": 2}, "replicas.max_batch 2 with replicas.tensor_parallel_size 2: "),
+    ({"max_batch": 2, "tensor_parallel_size": 1, "session_cache_mb": 256, "max_sessions": 8},
+     "config: engine 'monokernel': replicas.max_batch 2 with replicas.session_cache_mb 256 and "
+     "replicas.max_sessions 8: the batched monokernel keeps no agent-session KV between turns (every turn "
+     "prefills its whole prompt; only the single-sequence engine, replicas.max_batch 1, reuses sessions); "
+     "drop the session settings or use replicas.max_batch 1"),
+])
+def test_batched_monokernel_refusals_name_the_fields(replicas, expected):
+    with pytest.raises(ClusterConfigError) as e:
+        ClusterConfig.parse({"model": "m", "engine": "monokernel", "replicas": replicas})
+    assert expected in str(e.value)
+
+
+def test_batched_monokernel_is_checked_again_after_overrides_and_a_json_round_trip():
+    batched = {"model": "m", "replicas": {"max_batch": 4, "tensor_parallel_size": 1}}
+    cfg = ClusterConfig.parse(batched).with_overrides(engine="monokernel")  # `monoserve up --engine monokernel`
+    assert ClusterConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as the supervisor actor reads it
+    with pytest.raises(ClusterConfigError, match="replicas.max_batch 4 with replicas.max_sessions 3"):
+        ClusterConfig.parse({**batched, "replicas": {**batched["replicas"], "max_sessions": 3}}).with_overrides(
+            engine="monokernel")

@@ -1,5 +1,7 @@
 """Replica actor pieces that need no Ray cluster: spec checks, bundles, engine choice."""
 
+import re
+
 import pytest
 
 from replicas.actor import (
@@ -70,3 +72,57 @@ def test_engine_factories_get_only_the_session_settings_they_take():
 def test_spec_rejects_bad_session_cache_sizing_naming_the_field(field, value, expected):
     with pytest.raises(ValueError, match=f"replica r: {expected}"):
         ReplicaSpec(replica_id="r", model="/m", engine="reference", **{field: value})
+
+
+# ---- the monokernel's max_batch (fixtures `monokernel_builds`, `fake_cupy`: tests/conftest.py) ------
+def test_monokernel_max_batch_builds_one_batched_engine_per_gpu(monokernel_builds):
+    from replicas.engine_group import EngineGroup
+
+    engine = make_engine(ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=4), [0, 1])
+    assert isinstance(engine, EngineGroup) and engine.max_batch == 8  # 2 GPUs x 4 slots
+    assert sorted(kw["devices"] for _, kw in monokernel_builds) == [[0], [1]]
+    assert {name for name, _ in monokernel_builds} == {"BatchedMonokernelEngine"}
+    assert all(kw == {"batch": 4, "devices": kw["devices"]} for _, kw in monokernel_builds)
+
+
+def test_monokernel_max_batch_one_keeps_the_single_sequence_engine_and_its_sessions(monokernel_builds):
+    make_engine(ReplicaSpec(replica_id="r", model="/m", engine="monokernel", tensor_parallel_size=2,
+                            max_sessions=3), [0, 1])
+    assert monokernel_builds == [("MonokernelEngine", {"devices": [0, 1], "session_cache_bytes": 2**30,
+                                                       "max_sessions": 3})]
+
+
+def test_auto_on_a_gpu_follows_max_batch_and_falls_back_when_the_monokernel_cannot_batch(monokernel_builds,
+                                                                                      caplog):
+    assert resolve_engine_kind("auto", 1) == "monokernel"  # the stand-in CuPy sees a GPU
+    make_engine(ReplicaSpec(replica_id="r", model="/m", engine="auto", max_batch=2), [0])
+    # auto's max_batch may have been meant for the reference engine: not an error, a warning + one sequence
+    with caplog.at_level("WARNING", logger="monoserve.replica"):
+        make_engine(ReplicaSpec(replica_id="r", model="/m", engine="auto", max_batch=16), [0])
+    assert [name for name, _ in monokernel_builds] == ["BatchedMonokernelEngine", "MonokernelEngine"]
+    assert "engine auto chose the monokernel, which cannot serve this: engine 'monokernel': max_batch 16" \
+        in caplog.text and "serving one sequence per engine" in caplog.text
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (dict(max_batch=9), "engine 'monokernel': max_batch 9: the monokernel decodes at most 8 sequences together "
+                        "on one GPU"),
+    (dict(max_batch=4, tensor_parallel_size=8),
+     "engine 'monokernel': max_batch 4 with tensor_parallel_size 8: tensor parallelism and batching are not "
+     "supported together (the tensor-parallel monokernel decodes one sequence at a time); set "
+     "tensor_parallel_size to 1 (one batched engine per GPU: a replica with N GPUs serves N x max_batch), "
+     "or keep max_batch 1"),
+    (dict(max_batch=2, max_sessions=8), "engine 'monokernel': max_batch 2 with max_sessions 8: the batched "
+                                        "monokernel keeps no agent-session KV between turns"),
+    (dict(max_batch=2, session_cache_mb=0.5), "max_batch 2 with session_cache_mb 0.5: the batched monokernel"),
+    (dict(max_batch=0), "max_batch must be an integer >= 1, got 0"),
+])
+def test_spec_refuses_what_the_monokernel_cannot_batch(fields, expected):
+    with pytest.raises(ValueError, match="^replica r: .*" + re.escape(expected)):
+        ReplicaSpec(replica_id="r", model="/m", engine="monokernel", **fields)
+
+
+def test_spec_batch_limits_are_the_monokernels_only():
+    ReplicaSpec(replica_id="r", model="/m", engine="reference", max_batch=16, max_sessions=8)
+    ReplicaSpec(replica_id="r", model="/m", engine="auto", max_batch=16, tensor_parallel_size=8)
+    ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=8, max_sessions=0)  # 0 = no reuse

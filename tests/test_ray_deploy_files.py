@@ -84,3 +84,15 @@ def test_serve_app_session_cache_sizing_is_validated_by_name():
         build_app({"model": "/m", "max_sessions": -1})
     with pytest.raises(ValueError, match="session_cache_mb: Input should be a finite number"):
         build_app({"model": "/m", "session_cache_mb": float("nan")})
+
+
+def test_serve_app_refuses_what_the_monokernel_cannot_batch():
+    assert ServeAppArgs(model="/m", engine="monokernel", max_batch=4, tensor_parallel_size=1).slots == 32  # 8 x 4
+    with pytest.raises(ValueError, match=r"engine 'monokernel': max_batch 4 with tensor_parallel_size 8 \(the "
+                                         r"default: gpus_per_replica\): tensor parallelism and batching"):
+        build_app({"model": "/m", "engine": "monokernel", "max_batch": 4})
+    with pytest.raises(ValueError, match="max_batch 9: the monokernel decodes at most 8 sequences"):
+        build_app({"model": "/m", "engine": "monokernel", "max_batch": 9, "tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="max_batch 2 with max_sessions 3: the batched monokernel keeps no"):
+        build_app({"model": "/m", "engine": "monokernel", "max_batch": 2, "tensor_parallel_size": 1,
+                   "max_sessions": 3})

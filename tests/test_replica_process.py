@@ -127,3 +127,94 @@ def test_monoserve_cli_has_the_replica_subcommand(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["replica", "--devices", "zero"])
     assert "--devices must be comma-separated GPU ordinals" in capsys.readouterr().err
+
+
+# ---- --engine monokernel --max-batch: which engine, and what is refused (no GPU needed) -----------
+# (fixtures `fake_cupy` and `monokernel_builds`: tests/conftest.py)
+def _replica_args(*argv):
+    import argparse
+
+    from replicas.cli_replica import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(["--engine", "monokernel", "--model", "ckpt", *argv])
+
+
+def test_max_batch_above_one_builds_the_batched_monokernel_on_one_gpu(monokernel_builds):
+    from replicas.cli_replica import make_engine
+
+    assert make_engine(_replica_args("--max-batch", "4", "--devices", "1")).max_batch == 4
+    assert make_engine(_replica_args("--max-batch", "8", "--max-sessions", "0")).max_batch == 8
+    assert monokernel_builds == [("BatchedMonokernelEngine", {"batch": 4, "devices": [1]}),
+                                 ("BatchedMonokernelEngine", {"batch": 8, "devices": [0]})]  # max_sessions 0: fine
+
+
+def test_max_batch_one_keeps_the_single_sequence_monokernel_with_sessions(monokernel_builds):
+    from replicas.cli_replica import make_engine
+
+    make_engine(_replica_args())
+    make_engine(_replica_args("--max-batch", "1", "--devices", "0,1", "--max-sessions", "3",
+                              "--session-cache-mb", "0.5"))
+    assert monokernel_builds == [
+        ("MonokernelEngine", {"devices": [0], "session_cache_bytes": 2**30, "max_sessions": 64}),
+        ("MonokernelEngine", {"devices": [0, 1], "session_cache_bytes": 2**19, "max_sessions": 3})]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-batch", "9"], "--max-batch 9: the monokernel decodes at most 8 sequences together on one GPU "
+                           "(the kernel's limit, replicas.layout.MAX_BATCH); use --max-batch 2..8"),
+    (["--max-batch", "2", "--devices", "0,1"],
+     "--max-batch 2 with --devices 0,1: tensor parallelism and batching are not supported together (the "
+     "tensor-parallel monokernel decodes one sequence at a time); give one GPU (e.g. --devices 0) and run one "
+     "replica per GPU behind the router, or keep --max-batch 1 for one engine over several GPUs"),
+    (["--max-batch", "4", "--max-sessions", "8"],
+     "--max-batch 4 with --max-sessions 8: the batched monokernel keeps no agent-session KV between turns"),
+    (["--max-batch", "4", "--session-cache-mb", "512"],
+     "--max-batch 4 with --session-cache-mb 512: the batched monokernel keeps no agent-session KV between turns "
+     "(every turn prefills its whole prompt; only the single-sequence engine, --max-batch 1, reuses sessions); "
+     "drop the session settings or use --max-batch 1"),
+])
+def test_max_batch_refusals_exit_2_before_any_gpu_work(argv, message, monkeypatch, capsys):
+    from replicas.cli_replica import main
+
+    # no CuPy at all: a refusal must come before the CuPy check (and so before the GPU and the weights)
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert main(["--engine", "monokernel", "--model", "ckpt", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("monoserve replica: error: ") and message in err
+
+
+def test_max_batch_is_not_limited_for_the_reference_engine(tiny_checkpoint):
+    from replicas.cli_replica import make_engine
+
+    args = _replica_args("--max-batch", "12", "--max-sessions", "5")
+    args.engine, args.model = "reference", str(tiny_checkpoint)
+    engine = make_engine(args)
+    assert (engine.kind, engine.max_batch, engine.session_stats().max_sessions) == ("reference", 12, 5)
+
+
+def test_batched_monokernel_without_cupy_says_how_to_fix(tiny_checkpoint, monkeypatch, capsys):
+    from replicas.cli_replica import main
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as on a CPU machine without CuPy
+    assert main(["--engine", "monokernel", "--max-batch", "4", "--model", str(tiny_checkpoint), "--port", "0"]) == 2
+    assert ("--engine monokernel needs CuPy and an NVIDIA GPU: install `monoserve[gpu]` (cupy-cuda13x) on a GPU "
+            "machine, or use --engine reference") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device_count, message", [
+    (0, "no CUDA device found; use --engine reference"),
+    (RuntimeError("cudaErrorNoDevice"), "no usable CUDA device: cudaErrorNoDevice; use --engine reference"),
+])
+def test_batched_monokernel_with_cupy_but_no_gpu_is_a_clear_error(tiny_checkpoint, monkeypatch, capsys, fake_cupy,
+                                                                  device_count, message):
+    """The real BatchedMonokernelEngine.from_pretrained path: MonokernelUnavailable, shown like the
+    CLI's other errors (exit 2, no traceback), before any weights are read."""
+    import replicas.weights
+    from replicas.cli_replica import main
+
+    fake_cupy(device_count)
+    monkeypatch.setattr(replicas.weights, "load_weights", lambda *a, **k: pytest.fail("weights loaded"))
+    assert main(["--engine", "monokernel", "--max-batch", "4", "--model", str(tiny_checkpoint), "--port", "0"]) == 2
+    assert f"monoserve replica: error: {message}" in capsys.readouterr().err
