@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -128,6 +129,7 @@ class BatchedMonokernelEngine:
             gen = Generation(steps)
             self._pending.append(req)
             self._cv.notify_all()
+        weakref.finalize(gen, gen._cancel.set)  # dropped without close(): its slot is freed, not decoded to the end
         return gen
 
     def _stream(self, req: _Request, cancel: threading.Event):
@@ -221,16 +223,14 @@ class BatchedMonokernelEngine:
                 with self._cv:
                     self._running = False
             except Exception as e:  # a GPU failure ends every request it touched, with the error
-                for b, r in enumerate(self._slots):
-                    if r is not None:
-                        r.out.put(("err", e))
-                        self._slots[b] = None
-                for r in joins:
-                    if r.spec is None:
-                        r.out.put(("err", e))
-                with self._cv:
+                with self._cv:  # slots freed before anyone hears of the failure (a retry must find them free)
+                    failed = [r for r in self._slots if r is not None] + [r for r in joins if r.spec is None]
+                    self._slots = [None] * self.max_batch
                     self._running = False
                     self._admitting = 0
+                    self._cv.notify_all()
+                for r in failed:
+                    r.out.put(("err", e))
 
     def _take_joins(self) -> list[_Request]:
         """Pending requests that fit the free slots (called with the lock held)."""

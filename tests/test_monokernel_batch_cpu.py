@@ -394,6 +394,25 @@ def test_closing_a_generation_frees_its_slot(make):
     assert tuple(ps[1]) not in gpu.prefilled or gpu.finished[tuple(ps[1])] == L.STATUS_CANCELLED
 
 
+def test_a_dropped_generation_frees_its_slot(make):
+    import gc
+
+    eng, gpu = make(1, step_s=2e-3)
+    p, long = prompts(2, 9), SamplingParams(max_tokens=400, ignore_eos=True)
+    eng.generate(p[0], long)  # never iterated nor closed: garbage
+    gc.collect()
+    q = SamplingParams(max_tokens=10, ignore_eos=True)
+    end = time.monotonic() + 0.3
+    while True:  # the one slot is free again within a few steps, not after 400
+        try:
+            g = eng.generate(p[1], q)
+            break
+        except EngineBusy:
+            assert time.monotonic() < end, "a dropped generation still holds the slot"
+            time.sleep(1e-3)
+    assert_exact(g, list(g), p[1], q)
+
+
 def test_invalid_requests_are_refused_before_anything_runs(make):
     eng, gpu = make(2)
     q = SamplingParams(max_tokens=8, ignore_eos=True)
