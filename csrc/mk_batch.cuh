@@ -3,7 +3,7 @@
 // A slot's sampling settings, position and budget come from the slot table `p.slots` (fixed for one
 // launch); its buffers are slot-major. B = 1 builds read the scalar fields of MkParams instead and
 // compile the single-sequence code they always had. This header is the one place that maps a slot
-// to its settings and buffers (replicas/layout.py: BATCH_PARAM_FIELDS, SLOT_FIELDS, buffer_sizes).
+// to its settings and buffers (replicas/layout_params.py: BATCH_PARAM_FIELDS, SLOT_FIELDS; replicas/layout.py: buffer_sizes).
 #pragma once
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
