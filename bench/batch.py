@@ -97,7 +97,38 @@ def phase_profile(cp, engine, run, layers: int) -> dict:
     return {nm: round(prof[i] / steps / 1e3 / (1 if i == 0 else layers), 2) for i, nm in enumerate(PHASES) if prof[i]}
 
 
-def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False) -> dict:
+def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, runs: int) -> list[dict]:
+    """The B build at full occupancy: default vs each layout variant (bench/decode.py --ab syntax), same
+    weights, alternating A B A B; per-request tok/s medians and whether every slot's tokens match."""
+    from bench.decode import ab_options
+    from replicas.engine import SamplingParams
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+
+    ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(b)]
+    rows = []
+    base = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048)
+    for name in variants:
+        var = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048, layout_options=ab_options(name))
+        got = {"default": [], name: []}
+        toks = {}
+        for _ in range(runs):
+            for label, eng in (("default", base), (name, var)):
+                got[label].append(rates(run_together(eng, ps, n_new))[0])
+        for label, eng in (("default", base), (name, var)):
+            toks[label] = [list(g) for g in [eng.generate(p, SamplingParams(max_tokens=64, ignore_eos=True)) for p in ps]]
+        row = {"batch": b, "variant": name, "default_tok_s": round(statistics.median(got["default"]), 1),
+               "variant_tok_s": round(statistics.median(got[name]), 1), "same_tokens": toks["default"] == toks[name]}
+        row["delta"] = round(row["variant_tok_s"] / row["default_tok_s"] - 1, 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        var.close()
+        del var
+    base.close()
+    return rows
+
+
+def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
+                 variants: list[str] | None = None) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -115,6 +146,9 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
         print(json.dumps({"preset": preset, "single_phase_us": out["single_phase_us"]}), flush=True)
     del one
     cp.get_default_memory_pool().free_all_blocks()
+    if variants:  # A/B only: skip the occupancy table
+        out["ab"] = ab_variants(cp, config, tensors, max(builds), variants, n_new, runs)
+        return out
     out["builds"] = []
     for b in builds:
         eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048)
@@ -153,6 +187,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="also record the kernel's phase times per occupancy")
+    ap.add_argument("--variants", nargs="+", default=[],
+                    help="A/B the largest build at full occupancy against these layout variants (bench/decode.py "
+                         "--ab syntax, e.g. ao_slots); skips the occupancy table")
     args = ap.parse_args()
     import cupy as cp
 
@@ -161,17 +198,22 @@ def main() -> None:
                "presets": []}
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
-        results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile))
+        results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
+                                               args.variants))
     lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts",
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]
     for pr in results["presets"]:
         lines.append(f"| {pr['preset']} | 1 (single-sequence engine) | 1 | {pr['single_tok_s']} | 1.000 | {pr['single_tok_s']} |")
-        for row in pr["builds"]:
+        for ab in pr.get("ab", []):
+            lines.append(f"| {pr['preset']} | {ab['batch']} default vs {ab['variant']} | {ab['batch']} | "
+                         f"{ab['default_tok_s']} vs {ab['variant_tok_s']} ({ab['delta']:+.1%}, same tokens: "
+                         f"{ab['same_tokens']}) | | |")
+        for row in pr.get("builds", []):
             for n, o in row["occupancy"].items():
                 lines.append(f"| {pr['preset']} | {row['batch']} | {n} | {o['per_request_tok_s']} | "
                              f"{o['per_request_vs_single']} | {o['aggregate_tok_s']} |")
-        for row in pr["builds"]:
+        for row in pr.get("builds", []):
             if "join" in row:
                 j = row["join"]
                 lines.append("")

@@ -54,6 +54,53 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
   __syncthreads();
 }
 
+#ifndef MK_AO_SLOTS
+#define MK_AO_SLOTS 0  // layout option ao_slots (batch builds; flag emitted only when on)
+#endif
+#if MK_BATCH > 1 && MK_AO_SLOTS
+// ao_combine_group for every live slot at once (the same arithmetic per slot, so the same values): one
+// round trip for all slots' split statistics and one for their partial outputs, instead of two per
+// slot. Slot rank r (its place among the live slots) uses s_w[r * 2 * kGroup * S ..], S = cap / nlive
+// (the most splits a slot has at this occupancy), so all fit the single-slot scratch.
+MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live, int g, float* s_act, float* s_w) {
+  const int tid = threadIdx.x, cap = split_capacity(), nl = __popc(live), S = max(1, cap / nl);
+  const long long per_slot = (long long)MK_NKV * cap * kGroup;  // partials of one slot
+  for (int i = tid; i < nl * kGroup * S; i += MK_THREADS) {
+    const int r = i / (kGroup * S), rem = i % (kGroup * S), h = rem / S, s = rem % S;
+    const int b = __fns(live, 0, r + 1);  // the r-th live slot
+    if (s >= num_splits(slot_pos(p, b, step) + 1, nl)) continue;
+    const long long k = b * per_slot + ((long long)g * cap + s) * kGroup + h;
+    float* w = s_w + r * 2 * kGroup * S;
+    w[h * S + s] = __ldcg(p.attn_m + k);
+    w[kGroup * S + h * S + s] = __ldcg(p.attn_l + k);
+  }
+  __syncthreads();
+  for (int i = tid; i < nl * kGroup; i += MK_THREADS) {
+    const int r = i / kGroup, h = i % kGroup, b = __fns(live, 0, r + 1);
+    const int ns = num_splits(slot_pos(p, b, step) + 1, nl);
+    float* w = s_w + r * 2 * kGroup * S;
+    float M = -INFINITY, den = 0.f;
+    for (int s = 0; s < ns; s++) M = fmaxf(M, w[h * S + s]);
+    for (int s = 0; s < ns; s++) den += __expf(w[h * S + s] - M) * w[kGroup * S + h * S + s];
+    for (int s = 0; s < ns; s++) w[h * S + s] = __expf(w[h * S + s] - M) / den;
+  }
+  __syncthreads();
+  for (int j = tid; j < nl * MK_AO_GDP; j += MK_THREADS) {
+    const int r = j / MK_AO_GDP, i = j % MK_AO_GDP, b = __fns(live, 0, r + 1);
+    float acc = 0.f;
+    if (i < kGroup * MK_D) {
+      const int h = i / MK_D, d = i % MK_D, ns = num_splits(slot_pos(p, b, step) + 1, nl);
+      const float* w = s_w + r * 2 * kGroup * S;
+      const float* o = p.attn_o + (b * per_slot + (long long)g * cap * kGroup + h) * MK_D + d;
+#pragma unroll 4
+      for (int s = 0; s < ns; s++) acc += w[h * S + s] * __ldcg(o + (long long)s * kGroup * MK_D);
+    }
+    s_act[b * kActVec + g * MK_AO_GDP + xpos(i)] = acc;
+  }
+  __syncthreads();
+}
+#endif
+
 // Every block, after its own attention items: wait for and stage the groups of its O units, for every
 // live slot (slot b's at s_act + b * kActVec).
 // `target` = splits per group published so far in this launch over all slots (attn_cnt never resets).
@@ -67,11 +114,15 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
   for (int g = (int)(u0 / MK_H); g <= (int)((u1 - 1) / MK_H); g++) {
     if (threadIdx.x == 0) wait_reach(p.attn_cnt + g, target);
     __syncthreads();
+#if MK_BATCH > 1 && MK_AO_SLOTS
+    ao_combine_group_slots(p, step, live, g, s_act, s_w);  // (a finished slot's dots are skipped: nothing staged)
+#else
 #pragma unroll 1
     for (int b = 0; b < kB; b++) {
       if ((live >> b) & 1u)  // (a finished slot's dots are skipped: nothing to stage)
         ao_combine_group(p, num_splits(slot_pos(p, b, step) + 1, __popc(live)), g, s_act + b * kActVec, s_w, b);
     }
+#endif
   }
 }
 

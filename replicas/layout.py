@@ -129,6 +129,7 @@ class KernelLayout:
     x_perm: bool = False  # matvec inputs permuted in shared memory so a warp's float4 loads are conflict-free
     split_pos: int = ATTN_SPLIT_POS  # KV positions per attention split before another split is used
     batch: int = 1  # sequences decoded together in one weight pass per step (slots; csrc/mk_batch.cuh)
+    ao_slots: bool = False  # batch builds: the O-combine stages every slot in one pass (not yet measured)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -139,7 +140,7 @@ class KernelLayout:
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
                     tp_skip_allreduce: bool = False, fused_mlp: bool = False,
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
-                    split_pos: int = ATTN_SPLIT_POS, batch: int = 1) -> KernelLayout:
+                    split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -160,7 +161,7 @@ class KernelLayout:
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
-                   split_pos=int(split_pos), batch=int(batch))
+                   split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -312,6 +313,8 @@ class KernelLayout:
         if self.batch > 1 and not (self.fused_mlp and self.fused_attn_o):
             return (f"batch={self.batch} needs the fused layout (fused_mlp and fused_attn_o): the plain layout "
                     "stages a whole intermediate vector per slot in shared memory")
+        if self.ao_slots and self.batch == 1:
+            return "ao_slots combines several slots' attention: it needs batch > 1"
         if self.batch > 1 and layout_fused.down_geometry(self.hp, self.warps_per_block)[2] != 1:
             return (f"batch={self.batch} needs hidden/256 <= {self.warps_per_block} (one fused-down chunk column per "
                     f"warp); hidden={self.hidden}")
@@ -357,6 +360,8 @@ class KernelLayout:
         if self.batch > 1:  # emitted only for batch builds, like the options above
             defs.update({"MK_BATCH": self.batch, "MK_ACT_VEC": self.act_vec,
                          "MK_FX_SLICE": layout_fused.slice_floats(self)})
+            if self.ao_slots:
+                defs["MK_AO_SLOTS"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

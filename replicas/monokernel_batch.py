@@ -26,6 +26,9 @@ from replicas.model import ModelConfig
 from replicas.monokernel_gpu import GpuModel, MappedInts
 
 
+BATCH_ONLY_OPTIONS = ("batch", "ao_slots")  # layout options the single-sequence build does not take
+
+
 @dataclass
 class SlotSpec:
     """What one slot decodes in a launch (the slot table row, SLOT_FIELDS)."""
@@ -67,8 +70,9 @@ class BatchGpuModel(GpuModel):
 
         cp = self.cp
         with cp.cuda.Device(device):
+            single_opts = {k: v for k, v in (layout_options or {}).items() if k not in BATCH_ONLY_OPTIONS}
             self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
-                                                          **engine_options(config, layout_options))
+                                                          **engine_options(config, single_opts))
             assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
             self.single_kernel = load_module(self.single_layout)
             self.single_work = {k: cp.zeros(n, cp.float32) for k, n in self.single_layout.buffer_sizes().items()}

@@ -71,6 +71,16 @@ def test_bad_batches_are_refused_clearly():
     for opts in ({"fused_mlp": True}, {"fused_attn_o": True}, {}):
         with pytest.raises(LayoutError, match="batch=4 needs the fused layout"):
             KernelLayout.from_config(cfg, 4096, batch=4, **opts)
+    with pytest.raises(LayoutError, match="ao_slots .* needs batch > 1"):
+        KernelLayout.from_config(cfg, 4096, ao_slots=True, **FUSED)
+
+
+def test_ao_slots_is_a_batch_only_flag():
+    cfg = preset_config("llama-3.2-1b")
+    on = KernelLayout.from_config(cfg, 4096, batch=4, ao_slots=True, **FUSED).compile_flags()
+    off = KernelLayout.from_config(cfg, 4096, batch=4, **FUSED).compile_flags()
+    assert "-DMK_AO_SLOTS=1" in on and not any("MK_AO_SLOTS" in f for f in off)
+    assert sorted(set(on) - set(off)) == ["-DMK_AO_SLOTS=1"]
 
 
 def test_params_header_declares_the_slot_table_and_guards_batch_fields():
@@ -87,9 +97,9 @@ def test_params_header_declares_the_slot_table_and_guards_batch_fields():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
-@pytest.mark.parametrize("preset", ["tiny", "llama-3.2-1b"])
-def test_batch_kernel_compiles_for_sm90a(preset, tmp_path):
-    lay = KernelLayout.from_config(preset_config(preset), max_ctx=2048, batch=4, **FUSED)
+@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("llama-3.2-1b", {}), ("llama-3.2-1b", {"ao_slots": True})])
+def test_batch_kernel_compiles_for_sm90a(preset, extra, tmp_path):
+    lay = KernelLayout.from_config(preset_config(preset), max_ctx=2048, batch=4, **FUSED, **extra)
     src = tmp_path / "mk.cu"
     src.write_text(kernel_source())
     r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), capture_output=True, text=True, timeout=240)
