@@ -9,6 +9,7 @@ compared exactly. Marked `gpu` (CI deselects it).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -32,9 +33,14 @@ def engines(request, tmp_path_factory):
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
 
+    from tests.test_monokernel_gpu import _layout_from_env
+
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
     one = MonokernelEngine.from_pretrained(path, max_context=1024)
-    many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024)
+    # MK_BATCH_TEST_LAYOUT=ao_slots=1: the batch build under test gets these layout options
+    opts = _layout_from_env(os.environ.get("MK_BATCH_TEST_LAYOUT", ""))
+    many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, layout_options=opts)
+    assert all(getattr(many.gpu.layout, k) == v for k, v in opts.items()), opts
     yield path, one, many
     many.close()
 
