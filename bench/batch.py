@@ -128,7 +128,7 @@ def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, ru
 
 
 def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
-                 variants: list[str] | None = None) -> dict:
+                 variants: list[str] | None = None, sub_builds: bool = False) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -151,7 +151,7 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
         return out
     out["builds"] = []
     for b in builds:
-        eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048)
+        eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048, sub_builds=sub_builds)
         ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(b)]
         run_together(eng, ps[:1], 32)  # warm-up
         row = {"batch": b, "compile_s": round(eng.gpu.compile_seconds, 1), "ring": eng.gpu.layout.ring_slots,
@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="also record the kernel's phase times per occupancy")
+    ap.add_argument("--sub-builds", action="store_true",
+                    help="batched engines also compile the smaller builds for partial occupancy (sub_builds)")
     ap.add_argument("--variants", nargs="+", default=[],
                     help="A/B the largest build at full occupancy against these layout variants (bench/decode.py "
                          "--ab syntax, e.g. ao_slots); skips the occupancy table")
@@ -199,7 +201,7 @@ def main() -> None:
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
         results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
-                                               args.variants))
+                                               args.variants, args.sub_builds))
     lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts",
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]

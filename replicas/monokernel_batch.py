@@ -45,6 +45,16 @@ class SlotSpec:
     forced: Sequence[int] | None = field(default=None, repr=False)  # teacher-forced tokens (forward_logits)
 
 
+def pick_build(sizes, slots: Sequence[object | None]) -> int:
+    """The smallest build (slot count) that holds the highest occupied slot: a build of n slots runs
+    slots [0, n) (the scheduler fills the lowest free slot, so occupancy n mostly needs n)."""
+    hi = 1 + max((b for b, s in enumerate(slots) if s is not None), default=0)
+    fits = [n for n in sizes if n >= hi]
+    if not fits:
+        raise ValueError(f"slot {hi - 1} is occupied but the largest build has {max(sizes)} slots")
+    return min(fits)
+
+
 def _bits(ctype: str, value) -> np.uint64:
     if ctype == "double":
         return np.uint64(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
@@ -56,7 +66,11 @@ class BatchGpuModel(GpuModel):
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], batch: int, device: int = 0,
                  max_context: int | None = None, progress: bool | None = None,
-                 layout_options: dict | None = None):
+                 layout_options: dict | None = None, sub_builds: bool = False):
+        """sub_builds: also compile the batch builds of 2, 4, .. < batch slots (same weights, KV and host
+        words: a build of B' slots runs the slots [0, B')); a launch then uses the smallest build that
+        holds its highest occupied slot (a B = 8 build is slower than a B = 2 one at 2 requests).
+        Not yet run on a GPU: off by default."""
         if not 2 <= int(batch) <= L.MAX_BATCH:
             raise ValueError(f"batch={batch}: a batch build decodes 2..{L.MAX_BATCH} slots (batch 1 is GpuModel)")
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
@@ -79,6 +93,16 @@ class BatchGpuModel(GpuModel):
             self.single_best_idx = cp.zeros(self.single_layout.total_warps, cp.int32)
             self.single_control = cp.zeros(8, cp.uint32)  # bar_count, bar_flag, cancel + yield seen, shared_token
             self.single_params = cp.zeros(len(self.single_layout.param_fields()), cp.uint64)
+            # batch builds by slot count: (layout, kernel, work buffers); the others share everything else
+            self.builds = {self.batch: (self.layout, self.kernel, self.work)}
+            for n in (2, 4) if sub_builds else ():
+                if n < self.batch:
+                    lay = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
+                                                   **engine_options(config, {**(layout_options or {}), "batch": n}))
+                    assert lay.packed_shapes() == self.layout.packed_shapes(), "one packing for every build"
+                    self.builds[n] = (lay, load_module(lay),
+                                      {k: cp.zeros(m, cp.float32) for k, m in lay.buffer_sizes().items()})
+        self._last = (self.work, self.batch)  # the work buffers (and slot count) of the last batch launch
 
     def _allocate(self, tensors, progress) -> None:
         super()._allocate(tensors, progress)
@@ -126,10 +150,15 @@ class BatchGpuModel(GpuModel):
         given slots resume (their xbuf, accumulators and KV are where the last launch left them, and
         fx_turn0 must be that launch's `exit_state()[0]`). logits: [steps, B, V] fp32 for teacher
         forcing (every slot then needs `forced`)."""
-        cp, lay, w, b_n = self.cp, self.layout, self.work, self.layout.batch
+        cp, b_n = self.cp, self.layout.batch
         if len(slots) != b_n:
             raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
         teacher = logits is not None
+        if not teacher:  # (teacher logits are laid out for all B slots)
+            b_n = pick_build(self.builds, slots)
+            slots = slots[:b_n]
+        lay, kernel, w = self.builds[b_n]
+        self._last = (w, b_n)
         if teacher and any(s is not None and s.forced is None for s in slots):
             raise ValueError("teacher forcing (logits=...) needs `forced` tokens for every slot")
         hp, ctx = lay.hp, self.max_context
@@ -158,7 +187,7 @@ class BatchGpuModel(GpuModel):
                     x[0, b, :self.config.hidden_size] = fresh[b]
                     acc[:, b] = 0
                 self.slot_ctrl(b)[L.CTRL_DONE] = 0  # (a new request's words were zeroed when it was admitted)
-            self.slot_table.set(table.reshape(-1), stream=self.stream)
+            self.slot_table[:table.size].set(table.reshape(-1), stream=self.stream)
             self.attn_cnt[:] = 0
             self.qkv_done[:] = 0
             self.control[:] = 0
@@ -191,7 +220,7 @@ class BatchGpuModel(GpuModel):
             assert not missing, f"parameter block fields without a value: {missing}"
             params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
             self.params_dev.set(params, stream=self.stream)
-            self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+            kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the
@@ -252,7 +281,7 @@ class BatchGpuModel(GpuModel):
                 w = self.single_work
                 x, acc = w["xbuf"][:h], w["dn_part"].view(cp.int64).reshape(2, hp)[t, :h]
             else:
-                w, n = self.work, self.layout.batch
+                w, n = self._last
                 x = w["xbuf"].reshape(2, n, hp)[0, b, :h]
                 acc = w["dn_part"].view(cp.int64).reshape(2, n, hp)[t, b, :h]
             return x + acc.astype(cp.float32) * cp.float32(2.0 ** -32)

@@ -61,12 +61,14 @@ class BatchedMonokernelEngine:
     kind = "monokernel"
 
     def __init__(self, config: ModelConfig, tensors, batch: int = 4, devices: Sequence[int] = (0,),
-                 max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None):
+                 max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None,
+                 sub_builds: bool = False):
+        """sub_builds: smaller batch builds for partial occupancy (BatchGpuModel; not yet run on a GPU)."""
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
         gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
-                            progress=progress, layout_options=layout_options)
+                            progress=progress, layout_options=layout_options, sub_builds=sub_builds)
         from replicas.monokernel_prefill import Prefill
 
         self._start(config, gpu, devices, Prefill)
@@ -101,7 +103,7 @@ class BatchedMonokernelEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, batch: int = 4, devices: Sequence[int] = (0,),
                         max_context: int | None = None, progress: bool | None = None,
-                        layout_options: dict | None = None) -> BatchedMonokernelEngine:
+                        layout_options: dict | None = None, sub_builds: bool = False) -> BatchedMonokernelEngine:
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
@@ -109,7 +111,7 @@ class BatchedMonokernelEngine:
         import_cupy()
         tensors = load_weights(path, config, dtype="raw", progress=progress)
         return cls(config, tensors, batch=batch, devices=devices, max_context=max_context, progress=progress,
-                   layout_options=layout_options)
+                   layout_options=layout_options, sub_builds=sub_builds)
 
     # ---- Engine protocol -------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:

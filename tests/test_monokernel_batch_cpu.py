@@ -83,6 +83,18 @@ def test_ao_slots_is_a_batch_only_flag():
     assert sorted(set(on) - set(off)) == ["-DMK_AO_SLOTS=1"]
 
 
+def test_a_launch_uses_the_smallest_build_holding_its_highest_slot():
+    from replicas.monokernel_batch import pick_build
+
+    x = object()
+    assert pick_build([8, 2, 4], [x, x, None, None, None, None, None, None]) == 2
+    assert pick_build([8, 2, 4], [None, None, x, None, None, None, None, None]) == 4  # slot 2 needs B >= 3
+    assert pick_build([8, 2, 4], [x] * 5 + [None] * 3) == 8
+    assert pick_build([8], [x, x, None, None, None, None, None, None]) == 8  # no sub-builds
+    with pytest.raises(ValueError, match="slot 4 is occupied but the largest build has 4 slots"):
+        pick_build([2, 4], [None] * 4 + [x])
+
+
 def test_params_header_declares_the_slot_table_and_guards_batch_fields():
     lines = params_header().splitlines()
     i = lines.index("struct __align__(8) MkSlot {")

@@ -39,7 +39,11 @@ def engines(request, tmp_path_factory):
     one = MonokernelEngine.from_pretrained(path, max_context=1024)
     # MK_BATCH_TEST_LAYOUT=ao_slots=1: the batch build under test gets these layout options
     opts = _layout_from_env(os.environ.get("MK_BATCH_TEST_LAYOUT", ""))
-    many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, layout_options=opts)
+    # MK_BATCH_SUB_BUILDS=1: with the smaller builds for partial occupancy (the 2-request launches use B=2)
+    sub = os.environ.get("MK_BATCH_SUB_BUILDS", "0") == "1"
+    many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, layout_options=opts,
+                                                   sub_builds=sub)
+    assert sorted(many.gpu.builds) == ([2, BATCH] if sub else [BATCH])
     assert all(getattr(many.gpu.layout, k) == v for k, v in opts.items()), opts
     yield path, one, many
     many.close()
