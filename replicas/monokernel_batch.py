@@ -14,7 +14,6 @@ counters and the fused-MLP accumulator parity continue) and may start new ones i
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,7 +22,7 @@ import numpy as np
 
 from replicas import layout as L
 from replicas.model import ModelConfig
-from replicas.monokernel_gpu import GpuModel, MappedInts
+from replicas.monokernel_gpu import GpuModel, MappedInts, field_bits, inv_temperature, param_block
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots")  # layout options the single-sequence build does not take
@@ -53,12 +52,6 @@ def pick_build(sizes, slots: Sequence[object | None]) -> int:
     if not fits:
         raise ValueError(f"slot {hi - 1} is occupied but the largest build has {max(sizes)} slots")
     return min(fits)
-
-
-def _bits(ctype: str, value) -> np.uint64:
-    if ctype == "double":
-        return np.uint64(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
-    return np.uint64(int(value) & (2**64 - 1))
 
 
 class BatchGpuModel(GpuModel):
@@ -103,6 +96,7 @@ class BatchGpuModel(GpuModel):
                     self.builds[n] = (lay, load_module(lay),
                                       {k: cp.zeros(m, cp.float32) for k, m in lay.buffer_sizes().items()})
         self._last = (self.work, self.batch)  # the work buffers (and slot count) of the last batch launch
+        self._exit = None  # the last launch's exit_state(), read once by hidden_state
 
     def _allocate(self, tensors, progress) -> None:
         super()._allocate(tensors, progress)
@@ -141,6 +135,16 @@ class BatchGpuModel(GpuModel):
         """Ask the running launch to end at its next step boundary (slots resume in the next one)."""
         self.host_kctl.array[L.KCTL_YIELD] = 1
 
+    def _write_stops(self, b: int, stop_ids: Sequence[int]):
+        """Slot b's stop ids into its row of the stop table (zero padded); returns the row."""
+        if len(stop_ids) > L.MAX_STOP_IDS:
+            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(stop_ids)}")
+        row = self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS]
+        row[:] = 0
+        if len(stop_ids):
+            row[:len(stop_ids)] = self.cp.asarray(list(stop_ids), self.cp.int32)
+        return row
+
     # ---- one launch ------------------------------------------------------------------------
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, object], fx_turn0: int = 0,
                      logits=None, profile=None) -> None:
@@ -158,7 +162,7 @@ class BatchGpuModel(GpuModel):
             b_n = pick_build(self.builds, slots)
             slots = slots[:b_n]
         lay, kernel, w = self.builds[b_n]
-        self._last = (w, b_n)
+        self._last, self._exit = (w, b_n), None
         if teacher and any(s is not None and s.forced is None for s in slots):
             raise ValueError("teacher forcing (logits=...) needs `forced` tokens for every slot")
         hp, ctx = lay.hp, self.max_context
@@ -169,17 +173,11 @@ class BatchGpuModel(GpuModel):
             for b, s in enumerate(slots):
                 if s is None:
                     continue
-                if len(s.stop_ids) > L.MAX_STOP_IDS:
-                    raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(s.stop_ids)}")
                 values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps,
                           "n_stop": len(s.stop_ids), "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
-                          "inv_temperature": 1.0 / s.temperature if s.temperature > 0 else 1.0,
-                          "top_p": s.top_p, "active": 1}
-                table[b] = [_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
-                self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS] = 0
-                if len(s.stop_ids):
-                    self.stop_ids[b * L.MAX_STOP_IDS:b * L.MAX_STOP_IDS + len(s.stop_ids)] = cp.asarray(
-                        list(s.stop_ids), cp.int32)
+                          "inv_temperature": inv_temperature(s.temperature), "top_p": s.top_p, "active": 1}
+                table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+                self._write_stops(b, s.stop_ids)
                 if s.forced is not None and len(s.forced):
                     self.forced[b * ctx:b * ctx + len(s.forced)] = cp.asarray(list(s.forced), cp.int32)
                 if b in fresh:
@@ -215,30 +213,22 @@ class BatchGpuModel(GpuModel):
                 "seed": 0, "inv_temperature": 1.0, "top_p": 1.0,
                 "logits_per_step": b_n * self.config.vocab_size if teacher else 0, "fx_turn0": fx_turn0, "step0": 0,
             }
-            fields = lay.param_fields()
-            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
-            assert not missing, f"parameter block fields without a value: {missing}"
-            params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
-            self.params_dev.set(params, stream=self.stream)
+            self.params_dev.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
             kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the
         B = 1 kernel's code and speed. Resumes at s.step0 from the hidden state x_last [H]."""
         cp, lay, w, ctx = self.cp, self.single_layout, self.single_work, self.max_context
-        if len(s.stop_ids) > L.MAX_STOP_IDS:
-            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(s.stop_ids)}")
         with cp.cuda.Device(self.device), self.stream:
+            stops = self._write_stops(b, s.stop_ids)
             w["xbuf"][:] = 0
             w["xbuf"][:self.config.hidden_size] = x_last
             w["dn_part"][:] = 0
-            stops = self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS]
-            stops[:] = 0
-            if len(s.stop_ids):
-                stops[:len(s.stop_ids)] = cp.asarray(list(s.stop_ids), cp.int32)
             self.attn_cnt[:] = 0
             self.qkv_done[:] = 0
             self.single_control[:] = 0
+            self._exit = None
             self.kctl[:] = 0
             self.host_kctl.array[:] = 0
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
@@ -260,13 +250,9 @@ class BatchGpuModel(GpuModel):
             }
             scalars = {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
                        "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
-                       "inv_temperature": 1.0 / s.temperature if s.temperature > 0 else 1.0, "top_p": s.top_p,
+                       "inv_temperature": inv_temperature(s.temperature), "top_p": s.top_p,
                        "logits_per_step": 0, "step0": s.step0}
-            fields = lay.param_fields()
-            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
-            assert not missing, f"parameter block fields without a value: {missing}"
-            params = np.array([ptrs[n] if n in ptrs else _bits(ct, scalars[n]) for n, ct in fields], np.uint64)
-            self.single_params.set(params, stream=self.stream)
+            self.single_params.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
             self.single_kernel((lay.num_sms,), (lay.threads,), (self.single_params,), shared_mem=lay.smem_bytes)
 
     def hidden_state(self, b: int, single: bool):
@@ -274,8 +260,9 @@ class BatchGpuModel(GpuModel):
         stream plus the last fused-MLP accumulator, as the kernel's next LM head would read it
         (x + int64 * 2^-32 in fp32; the scale is a power of two, so no rounding step differs)."""
         cp, hp, h = self.cp, self.layout.hp, self.config.hidden_size
-        turn, _ = self.exit_state()
-        t = (turn - 1) & 1
+        if self._exit is None:  # one device read per launch, not per slot
+            self._exit = self.exit_state()
+        t = (self._exit[0] - 1) & 1
         with cp.cuda.Device(self.device), self.stream:
             if single:
                 w = self.single_work

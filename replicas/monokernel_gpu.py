@@ -43,6 +43,25 @@ def import_cupy():
     return cp
 
 
+def field_bits(ctype: str, value) -> np.uint64:
+    """One 8-byte parameter-block slot: float64 bits for a double, two's complement otherwise."""
+    if ctype == "double":
+        return np.uint64(struct.unpack("<Q", struct.pack("<d", float(value)))[0])
+    return np.uint64(int(value) & (2**64 - 1))
+
+
+def param_block(fields, ptrs: Mapping[str, int], scalars: Mapping[str, object]) -> np.ndarray:
+    """The kernel's parameter block (layout.param_fields() order) from device pointers and scalars."""
+    missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
+    assert not missing, f"parameter block fields without a value: {missing}"
+    return np.array([ptrs[n] if n in ptrs else field_bits(ct, scalars[n]) for n, ct in fields], np.uint64)
+
+
+def inv_temperature(temperature: float) -> float:
+    """The kernel's 1/T (greedy launches pass T = 0 and never use it)."""
+    return 1.0 / temperature if temperature > 0 else 1.0
+
+
 class MappedInts:
     """int32 array in pinned, device-mapped host memory: the kernel writes, the host polls."""
 
@@ -182,22 +201,11 @@ class GpuModel:
             scalars = {
                 "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
                 "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
-                "inv_temperature": 1.0 / temperature if temperature > 0 else 1.0, "top_p": top_p,
+                "inv_temperature": inv_temperature(temperature), "top_p": top_p,
                 "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
                 **self.tp_params,
             }
-            fields = lay.param_fields()
-            missing = {n for n, _ in fields} - set(ptrs) - set(scalars)
-            assert not missing, f"parameter block fields without a value: {missing}"
-            slots = np.zeros(len(fields), np.uint64)
-            for i, (name, ctype) in enumerate(fields):
-                if name in ptrs:
-                    slots[i] = ptrs[name]
-                elif ctype == "double":
-                    slots[i] = struct.unpack("<Q", struct.pack("<d", float(scalars[name])))[0]
-                else:
-                    slots[i] = np.uint64(int(scalars[name]) & (2**64 - 1))
-            self.params_dev.set(slots, stream=self.stream)
+            self.params_dev.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
         if not defer:
             self.start_kernel()
 
