@@ -8,7 +8,9 @@ supervisor by name (namespace `monoserve`) from any shell on the cluster.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,12 @@ from cluster.supervisor import REPLICA_PREFIX, SUPERVISOR_ACTOR_NAME, Supervisor
 from replicas.actor import cuda_available
 
 ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
+
+# Ray waits a fixed 30 s for a fresh raylet to register with its GCS; the first start from a cold
+# virtualenv on a loaded small machine (CI: 2 cores) can miss that, so a local start is retried.
+LOCAL_START_ATTEMPTS = 3
+RAY_PROCESS_MARKS = (b"gcs_server", b"raylet", b"/ray/", b"ray::")  # in the command lines Ray spawns
 
 
 class ClusterError(RuntimeError):
@@ -60,13 +68,49 @@ def connect(config: ClusterConfig, address: str | None = None) -> bool:
             raise ClusterError(f"cannot connect to the Ray cluster at {address!r}: {e}. "
                                "Start it with `ray start --head` or fix ray.address / --address.") from None
         return False
-    ray.init(num_gpus=local_gpu_count(config), num_cpus=config.ray.num_cpus, **kwargs)
+    init_local_ray(num_gpus=local_gpu_count(config), num_cpus=config.ray.num_cpus, **kwargs)
     shortfall = _gpu_shortfall(config)
     if shortfall:
         ray.shutdown()
         raise ClusterError(f"{shortfall}: lower replicas.min / replicas.gpus_per_replica, "
                            "or set ray.num_gpus (logical GPUs) for a local cluster")
     return True
+
+
+def init_local_ray(attempts: int = LOCAL_START_ATTEMPTS, **init_kwargs) -> None:
+    """`ray.init(**init_kwargs)` for a new local cluster, retried when its node misses Ray's startup
+    deadline. A failed start leaves the GCS and raylet it spawned running (Ray never got a handle
+    on them), so they are stopped before the next attempt."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as e:  # Ray raises a bare Exception for "timed out during startup"
+            if "timed out during startup" not in str(e):
+                raise
+            _stop_spawned_ray_processes()
+            if attempt == attempts:
+                raise ClusterError(f"the local Ray node did not start in {attempts} attempts ({e}). "
+                                   "Check free memory and /tmp/ray/session_latest/logs/raylet.out, "
+                                   "or start Ray yourself (`ray start --head`) and pass --address.") from None
+            log.warning("local Ray start attempt %d/%d timed out; retrying", attempt, attempts)
+
+
+def _stop_spawned_ray_processes() -> None:
+    """SIGKILL this process's children that are Ray's (gcs_server, raylet, its Python helpers)."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError, IndexError):
+            continue  # gone already, or not ours to read
+        if ppid == me and any(mark in cmdline for mark in RAY_PROCESS_MARKS):
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    ray.shutdown()
 
 
 def get_supervisor(namespace: str = "monoserve"):

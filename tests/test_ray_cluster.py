@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=8, num_gpus=24, include_dashboard=False, namespace="monoserve",
-             runtime_env=launcher.worker_runtime_env(), log_to_driver=False, configure_logging=False)
+    launcher.init_local_ray(num_cpus=8, num_gpus=24, include_dashboard=False, namespace="monoserve",
+                            runtime_env=launcher.worker_runtime_env(), log_to_driver=False, configure_logging=False)
     yield
     launcher.down()
     ray.shutdown()

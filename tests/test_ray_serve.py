@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from monoserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-from cluster.launcher import worker_runtime_env
+from cluster.launcher import init_local_ray, worker_runtime_env
 
 # Ray Serve's own pydantic models emit deprecation warnings on import; not ours to fix.
 pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -33,8 +33,8 @@ def serve_app(tiny_checkpoint):
 
     from deploy.serve_app import APP_NAME, GRPC_SERVICER, build_app
 
-    ray.init(num_cpus=4, num_gpus=16, include_dashboard=False, runtime_env=worker_runtime_env(),
-             log_to_driver=False, configure_logging=False)
+    init_local_ray(num_cpus=4, num_gpus=16, include_dashboard=False, runtime_env=worker_runtime_env(),
+                   log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()},
                 grpc_options=gRPCOptions(port=port, grpc_servicer_functions=[GRPC_SERVICER]))
