@@ -15,15 +15,15 @@ constexpr float kAoScale = 4294967296.f;  // 2^32, as fused_mlp's accumulators
 constexpr float kAoInv = 1.f / 4294967296.f;
 static_assert(MK_TP == 1, "fused_attn_o is single-GPU only (layout_attn_o.attn_o_error)");
 // split-weight scratch after the staged O inputs (batch builds: after every slot's)
-constexpr int kAoW = MK_BATCH > 1 ? kB * kActVec : MK_NKV * MK_AO_GDP;
+constexpr int kAoW = MK_BATCH > 1 ? kVecFloats : MK_NKV * MK_AO_GDP;
 static_assert(kAoW + 2 * kGroup * MK_MAX_SPLITS <= MK_ACT_FLOATS, "fused_attn_o staging");
 static_assert(MK_BATCH == 1 || MK_NKV * MK_AO_GDP <= kActVec, "a slot's O input fits its vector");
 
 // o_part: one int64 [Hp] accumulator per slot
 MK_DEVICE long long* ao_acc(const MkParams& p, int b = 0) { return reinterpret_cast<long long*>(p.o_part) + (long long)b * MK_HP; }
 
-// combine_attention restricted to kv group g (same arithmetic, so the same values), staged at
-// s_act + g * GDp (zero padded); split weights in scratch s_w.
+// combine_attention restricted to kv group g (same arithmetic, so the same values), staged as slot
+// `slot`'s matvec input elements [g * GDp, (g + 1) * GDp) (zero padded; act_store); split weights in scratch s_w.
 MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_act, float* s_w, int slot = 0) {
   const int tid = threadIdx.x, cap = split_capacity();
   const long long sb = (long long)slot * MK_NKV * cap * kGroup;  // the slot's first partial
@@ -49,7 +49,7 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
 #pragma unroll 4
       for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
-    s_act[g * MK_AO_GDP + xpos(i)] = acc;
+    act_store(s_act, slot, i, acc, g * MK_AO_GDP);
   }
   __syncthreads();
 }
@@ -95,7 +95,7 @@ MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live
 #pragma unroll 4
       for (int s = 0; s < ns; s++) acc += w[h * S + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
-    s_act[b * kActVec + g * MK_AO_GDP + xpos(i)] = acc;
+    act_store(s_act, b, i, acc, g * MK_AO_GDP);
   }
   __syncthreads();
 }
@@ -107,11 +107,12 @@ MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live
 MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned target, float* s_act) {
   const int nw = gridDim.x * kStreamWarps;
   long long u0, u1, t0, t1;
-  warp_range(kUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
-  warp_range(kUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
+  constexpr long long kPerGroup = kSUnitsO / MK_NKV;  // stream units of one kv group (rows, or mma tiles)
+  warp_range(kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
+  warp_range(kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
   if (u1 <= u0) return;  // no O units in this block (uniform over the block)
   float* s_w = s_act + kAoW;
-  for (int g = (int)(u0 / MK_H); g <= (int)((u1 - 1) / MK_H); g++) {
+  for (int g = (int)(u0 / kPerGroup); g <= (int)((u1 - 1) / kPerGroup); g++) {
     if (threadIdx.x == 0) wait_reach(p.attn_cnt + g, target);
     __syncthreads();
 #if MK_BATCH > 1 && MK_AO_SLOTS
@@ -120,7 +121,7 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
 #pragma unroll 1
     for (int b = 0; b < kB; b++) {
       if ((live >> b) & 1u)  // (a finished slot's dots are skipped: nothing to stage)
-        ao_combine_group(p, num_splits(slot_pos(p, b, step) + 1, __popc(live)), g, s_act + b * kActVec, s_w, b);
+        ao_combine_group(p, num_splits(slot_pos(p, b, step) + 1, __popc(live)), g, s_act, s_w, b);
     }
 #endif
   }
@@ -171,7 +172,7 @@ MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const floa
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      act_store(s_act, slot, i, i < MK_H ? v[k] * r * w[i] : 0.f);
     }
   }
   __syncthreads();

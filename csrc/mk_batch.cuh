@@ -7,6 +7,7 @@
 #pragma once
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
+#include "mk_stream.cuh"
 
 #if MK_BATCH > 1
 #define MK_SLOT(p, b, field) ((p).slots[b].field)
@@ -85,7 +86,7 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
       if (i < MK_HP) {
         const float x = i < MK_H ? load(b, i) : 0.f;
         if (i < MK_H && dst && blockIdx.x == 0) dst[i] = x;
-        s_act[b * kActVec + xpos(i)] = i < MK_H ? x * r * w[i] : 0.f;
+        act_store(s_act, b, i, i < MK_H ? x * r * w[i] : 0.f);
       }
     }
   }

@@ -12,7 +12,7 @@
 // s_act offset of the h slice (batch builds: slot b's slice at kFxH + b * MK_FX_SLICE, after every
 // slot's input vector)
 #if MK_BATCH > 1
-constexpr int kFxH = MK_FX_PART > kB * kActVec ? MK_FX_PART : kB * kActVec;
+constexpr int kFxH = MK_FX_PART > kVecFloats ? MK_FX_PART : kVecFloats;
 static_assert(MK_FX_M == 1, "batch builds: one chunk column per warp in the fused down (layout._batch_error)");
 #else
 constexpr int kFxH = MK_FX_PART > MK_HP ? MK_FX_PART : MK_HP;
@@ -47,7 +47,7 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      act_store(s_act, 0, i, i < MK_H ? v[k] * r * w[i] : 0.f);
     }
   }
   __syncthreads();

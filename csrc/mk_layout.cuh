@@ -15,6 +15,9 @@
 #define MK_ATTN_O 0  // O-proj fused into attention, O packed by kv group (layout_attn_o.py; flags only when on)
 #endif
 
+#ifndef MK_MMA
+#define MK_MMA 0  // QKV, O, gate/up, LM head on tensor cores (layout option mma, layout_mma.py; flags only when on)
+#endif
 #ifndef MK_BATCH
 #define MK_BATCH 1  // slots decoded together (layout option batch; flags only when > 1, see mk_batch.cuh)
 #endif
@@ -25,6 +28,8 @@ constexpr int kActVec = MK_ACT_VEC;  // shared floats of one slot's matvec input
 #else
 constexpr int kActVec = 0;  // one slot: its input at s_act itself
 #endif
+// Shared floats every slot's matvec inputs take (mma: bf16, half; layout.py act_floats)
+constexpr int kVecFloats = MK_MMA ? kB * kActVec / 2 : kB * kActVec;
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block
@@ -57,6 +62,22 @@ constexpr int kLenDN = MK_IP / MK_S_DN;
 constexpr long long kUnitsLM = MK_V;
 constexpr int kLenLM = MK_HP;
 
+// Units as the weight stream deals them to warps (mat_info): the units above, or with MK_MMA tiles of
+// 16 of them (rows of 16 x the same k range; layout_mma.py), 16x as long. kRowsPerUnit maps back.
+#if MK_MMA
+constexpr int kRowsPerUnit = 16;
+static_assert(MK_FUSED_MLP && MK_ATTN_O && MK_TP == 1 && !MK_QKV_FLAGS, "mma: fused single-GPU layouts (layout_mma.mma_error)");
+static_assert(kQKVRows % 16 == 0 && MK_H % 16 == 0 && MK_I % 16 == 0 && MK_VT % 16 == 0 && MK_VT >= MK_V, "mma tiles");
+constexpr long long kSUnitsLM = MK_VT / 16;
+#else
+constexpr int kRowsPerUnit = 1;
+constexpr long long kSUnitsLM = kUnitsLM;
+#endif
+constexpr long long kSUnitsQKV = kUnitsQKV / kRowsPerUnit;
+constexpr long long kSUnitsO = kUnitsO / kRowsPerUnit;
+constexpr long long kSUnitsGU = kUnitsGU / kRowsPerUnit;
+constexpr long long kSUnitsDN = kUnitsDN;  // the fused down stays on CUDA cores (mk_fused.cuh)
+
 // Per-layer element strides of the packed matrices.
 constexpr long long kStrideQKV = (long long)kQKVRows * MK_HP;
 constexpr long long kStrideO = kUnitsO * kLenO;  // == MK_H * MK_QP without MK_ATTN_O
@@ -70,7 +91,8 @@ constexpr long long kStrideDN = (long long)MK_H * MK_IP;
 
 static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024, "block size");
 static_assert(MK_HP % kChunk == 0 && MK_QP % kChunk == 0 && MK_IP % kChunk == 0, "padding");
-static_assert(kLenQKV % kChunk == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
+// (mma: a unit of 16 rows x kLenQKV is kLenQKV / 16 whole chunks)
+static_assert(kLenQKV % (MK_MMA ? 16 : kChunk) == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
 static_assert(MK_D % 32 == 0 && MK_D <= 256, "head_dim must be a multiple of 32, at most 256");
 static_assert(MK_NH % MK_NKV == 0, "GQA grouping");
 static_assert(MK_RING >= 2 && MK_RING <= 32, "weight ring depth");

@@ -10,11 +10,11 @@
 MK_DEVICE void mat_info(const MkParams& p, int mat, int layer, const uint16_t*& base,
                         long long& units, int& len) {
   switch (mat) {
-    case MAT_QKV: base = p.w_qkv + layer * kStrideQKV; units = kUnitsQKV; len = kLenQKV; break;
-    case MAT_O: base = p.w_o + layer * kStrideO; units = kUnitsO; len = kLenO; break;
-    case MAT_GU: base = p.w_gu + layer * kStrideGU; units = kUnitsGU; len = kLenGU; break;
-    case MAT_DN: base = p.w_dn + layer * kStrideDN; units = kUnitsDN; len = kLenDN; break;
-    default: base = p.w_lm; units = kUnitsLM; len = kLenLM; break;
+    case MAT_QKV: base = p.w_qkv + layer * kStrideQKV; units = kSUnitsQKV; len = kLenQKV * kRowsPerUnit; break;
+    case MAT_O: base = p.w_o + layer * kStrideO; units = kSUnitsO; len = kLenO * kRowsPerUnit; break;
+    case MAT_GU: base = p.w_gu + layer * kStrideGU; units = kSUnitsGU; len = kLenGU * kRowsPerUnit; break;
+    case MAT_DN: base = p.w_dn + layer * kStrideDN; units = kSUnitsDN; len = kLenDN; break;
+    default: base = p.w_lm; units = kSUnitsLM; len = kLenLM * kRowsPerUnit; break;
   }
 }
 
@@ -24,13 +24,18 @@ MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long l
   u1 = units * (gw + 1) / nw;
 }
 
+// First gate/up row of block b: its warps' contiguous share of the gate/up units starts there
+// (replicas/layout_fused.py block_rows).
+template <class Int>  // (int or blockIdx.x's unsigned: the caller's type, so default builds compile as before)
+MK_DEVICE long long gu_row0(Int b) { return kSUnitsGU * b / gridDim.x * kRowsPerUnit; }
+
 #if MK_FUSED_MLP
 // This warp's run of the fused down (mirror of replicas/layout_fused.py:warp_down_share): rows
 // [a, a+n) of its block's h slice, chunk columns [col0, col0 + MK_FX_M), element offset `off`.
 struct DownShare { int a, n, col0; long long off; };
 MK_DEVICE DownShare down_share(int gw) {
   const int b = gw / kStreamWarps, w = gw % kStreamWarps;
-  const int js = (int)((long long)MK_I * b / gridDim.x), je = (int)((long long)MK_I * (b + 1) / gridDim.x);
+  const int js = (int)gu_row0(b), je = (int)gu_row0(b + 1);
   const int nb = je - js, r = w / MK_FX_WC, cw = w % MK_FX_WC;
   DownShare s;
   s.a = nb * r / MK_FX_R;
@@ -108,12 +113,97 @@ struct WeightStream {
   }
 };
 
+// Matvec input element i of slot b into shared memory, where run_phase reads it: fp32 at xpos(i) of
+// the slot's vector, or (MK_MMA) bf16 in mma.m16n8k16 B-fragment order: per 16-element chunk c, lane
+// 4b + t of the warp holds k = 2t, 2t+1 in its first 32-bit word and 2t+8, 2t+9 in its second
+// (replicas/layout_mma.py act_word), so one 8-byte load per lane is every slot's fragment.
+// `base` (a multiple of 256: a kv group's first element of the O input) + i is the element.
+MK_DEVICE void act_store(float* s_act, int b, int i, float v, int base = 0) {
+#if MK_MMA
+  i += base;
+  const int c = i >> 4, r = i & 15;
+  const int word = (c * 4 * kB + b * 4 + ((r & 7) >> 1)) * 2 + (r >> 3);
+  reinterpret_cast<uint16_t*>(s_act)[word * 2 + (r & 1)] = f32_to_bf16(v);
+#else
+  s_act[b * kActVec + base + xpos(i)] = v;
+#endif
+}
+
 // One matvec phase: this warp's units of matrix MAT dotted with the activation vector in shared
 // memory (batch builds: each slot's vector, kActVec floats apart: one weight pass for all slots);
 // `epi(unit, acc0, acc1)` runs on lane 0 for every finished unit with one sum per slot (acc1: GU's up row).
 // `live`: the slots to compute (batch builds skip finished ones; their sums are then left at 0).
 MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 1u); }
 
+#if MK_MMA
+// d += a (16 x 16 weights, A fragment) * b (16 k x 8 slots, B fragment), fp32 accumulators.
+MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+
+// Lane r < 16 collects row r of a 16 x 8 accumulator tile for every slot: row r's values sit in lanes
+// 4(r & 7) + b/2 (c0/c1 for rows 0..7, c2/c3 for rows 8..15; even slots in c0/c2).
+MK_DEVICE void tile_row(const float (&d)[4], int lane, float* out) {
+  const int r = lane & 15;
+#pragma unroll
+  for (int b = 0; b < kB; b++) {
+    const float lo = __shfl_sync(0xffffffffu, (b & 1) ? d[1] : d[0], 4 * (r & 7) + (b >> 1));
+    const float hi = __shfl_sync(0xffffffffu, (b & 1) ? d[3] : d[2], 4 * (r & 7) + (b >> 1));
+    out[b] = r < 8 ? lo : hi;
+  }
+}
+
+// The tensor-core matvec (layout option mma, replicas/layout_mma.py): a unit is 16 rows over its k
+// range; per 16-k step one weight chunk (gate/up: the gate chunk, then the up chunk) and every slot's
+// input fragment, one mma. Then lanes 0..15 hand row r's sums to `epi` with the row-unit index the
+// CUDA-core phase would use (QKV: row * S + split; O: group * H + row), so the epilogues are shared.
+template <int MAT, class Epi>
+MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
+                         unsigned live = 1u) {
+  (void)live;  // every slot column is computed; the epilogues skip finished slots
+  if (st.gw < 0) return;
+  const uint16_t* base; long long units, u0, u1; int len;
+  mat_info(p, MAT, layer, base, units, len);
+  warp_range(units, st.gw, st.nw, u0, u1);
+  constexpr int kSplit = MAT == MAT_QKV ? MK_S_QKV : 1;
+  constexpr int kSteps = (MAT == MAT_QKV ? kLenQKV : MAT == MAT_O ? kLenO : MAT == MAT_GU ? MK_HP : kLenLM) / 16;
+  constexpr long long kTilesPerGroup = MK_H / 16;  // O units per kv group
+  const uint2* frag = reinterpret_cast<const uint2*>(s_act);
+  const bool has_slot = (st.lane >> 2) < kB;  // lanes 4b..4b+3 carry slot b's input fragment
+  for (long long v = u0; v < u1; v++) {
+    long long row0;  // the unit's first row-unit index
+    int c0;          // its first input chunk (16 elements)
+    if (MAT == MAT_O) {
+      const long long g = v / kTilesPerGroup;
+      row0 = g * MK_H + (v % kTilesPerGroup) * 16;
+      c0 = (int)g * (kLenO / 16);
+    } else {
+      row0 = (v / kSplit) * 16;
+      c0 = (int)(v % kSplit) * kSteps;
+    }
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int c = 0; c < kSteps; c++) {
+      const uint2 x = has_slot ? frag[(c0 + c) * 4 * kB + st.lane] : make_uint2(0u, 0u);
+      const uint4 w = st.take();
+      mma_16816(d0, w, x);
+      st.release(p);
+      if (MAT == MAT_GU) {
+        const uint4 wu = st.take();
+        mma_16816(d1, wu, x);
+        st.release(p);
+      }
+    }
+    float acc0[kB], acc1[kB];
+    tile_row(d0, st.lane, acc0);
+    if (MAT == MAT_GU) tile_row(d1, st.lane, acc1);
+    const long long row = row0 + (st.lane & 15);
+    if (st.lane < 16 && (MAT != MAT_LM || row < MK_V)) epi(MAT == MAT_QKV ? row * kSplit + v % kSplit : row, acc0, acc1);
+  }
+}
+#else
 template <int MAT, class Epi>
 MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
                          unsigned live = 1u) {
@@ -169,6 +259,7 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
     if (st.lane == 0) epi(u, acc0, acc1);
   }
 }
+#endif  // MK_MMA
 
 // Ask L2 to fetch the first `bytes` of this warp's share of matrix MAT (layer `layer`), without
 // waiting: used while the latency-bound attention chain leaves HBM idle.

@@ -158,6 +158,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
         }
       }, live);
+#if MK_MMA
+      // lanes 0..15 each took one row of every tile: merge them (ties: the lowest id, as one lane would)
+#pragma unroll
+      for (int b = 0; b < kB; b++) warp_argmax(best[b], best_i[b]);
+#endif
       if (st.lane == 0 && st.gw >= 0)
 #pragma unroll
         for (int b = 0; b < kB; b++) { p.best_val[b * st.nw + st.gw] = best[b]; p.best_idx[b * st.nw + st.gw] = best_i[b]; }
@@ -315,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       xi ^= 1;
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
-        const long long js = (long long)MK_I * blockIdx.x / gridDim.x;  // the block's first gate/up unit
+        const long long js = gu_row0(blockIdx.x);  // the block's first gate/up row
         run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
 #pragma unroll
           for (int b = 0; b < kB; b++)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replicas import layout_attn_o, layout_fused
+from replicas import layout_attn_o, layout_fused, layout_mma
 from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter block and control words)
     PARAM_FIELDS,
     TP_PARAM_FIELDS,
@@ -130,6 +130,7 @@ class KernelLayout:
     split_pos: int = ATTN_SPLIT_POS  # KV positions per attention split before another split is used
     batch: int = 1  # sequences decoded together in one weight pass per step (slots; csrc/mk_batch.cuh)
     ao_slots: bool = False  # batch builds: the O-combine stages every slot in one pass (not yet measured)
+    mma: bool = False  # QKV, O, gate/up and LM head on tensor cores, bf16 inputs (layout_mma.py; not yet measured)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -140,7 +141,8 @@ class KernelLayout:
                     kv_regs: bool = False, tp: int = 1, vocab_total: int = 0,
                     tp_skip_allreduce: bool = False, fused_mlp: bool = False,
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
-                    split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False) -> KernelLayout:
+                    split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
+                    mma: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -161,18 +163,20 @@ class KernelLayout:
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
-                   split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots))
+                   split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
             raise LayoutError(batch_error)
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
-        if tp_error := base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base):
+        if tp_error := (base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base)
+                        or layout_mma.mma_error(base)):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
-            "qkv": choose_split(base.qkv_rows, base.hp, warps),
+            "qkv": layout_mma.choose_split_tiles(base.qkv_rows // layout_mma.TILE, base.hp, warps) if base.mma
+            else choose_split(base.qkv_rows, base.hp, warps),
             "o": 1 if base.fused_attn_o else choose_split(base.hidden, base.qp, warps),
             "dn": choose_split(base.hidden, base.ip, warps),
         }
@@ -236,7 +240,7 @@ class KernelLayout:
         fused = layout_fused.act_floats(self) if self.fused_mlp else 0
         attn_o = layout_attn_o.act_floats(self) if self.fused_attn_o else 0
         if self.batch > 1:  # per-slot matvec inputs side by side, then the fused MLP's h slices (mk_batch.cuh)
-            vectors = self.batch * self.act_vec
+            vectors = self.batch * self.act_vec // (2 if self.mma else 1)  # mma: bf16 inputs (kVecFloats)
             fx_h = max(layout_fused.part_floats(self), vectors)
             return max(fx_h + self.batch * layout_fused.slice_floats(self), vectors + 2 * self.group * MAX_ATTN_SPLITS,
                        self.attn_floats)
@@ -281,7 +285,7 @@ class KernelLayout:
             else (L, self.hidden, self.qp),
             "w_gu": (L, self.inter, 2, self.hp),
             "w_dn": (L, self.inter * self.hp) if self.fused_mlp else (L, self.hidden, self.ip),
-            "w_lm": (self.vocab, self.hp),
+            "w_lm": (layout_mma.vocab_rows(self) if self.mma else self.vocab, self.hp),
         }
 
     def l2_prefetch_per_warp(self) -> tuple[int, int]:
@@ -362,6 +366,8 @@ class KernelLayout:
                          "MK_FX_SLICE": layout_fused.slice_floats(self)})
             if self.ao_slots:
                 defs["MK_AO_SLOTS"] = 1
+        if self.mma:  # emitted only when on, like the options above
+            defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

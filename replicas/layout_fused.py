@@ -23,9 +23,16 @@ CHUNK = 256
 FX_SHIFT = 32  # fixed-point fraction bits of the int64 down accumulators (range ±2^31)
 
 
-def block_rows(inter: int, num_sms: int, b: int) -> tuple[int, int]:
-    """Block b's intermediate slice [js, je): the gate/up units its warps own (warp_range of csrc)."""
-    return inter * b // num_sms, inter * (b + 1) // num_sms
+def block_rows(inter: int, num_sms: int, b: int, tile: int = 1) -> tuple[int, int]:
+    """Block b's intermediate slice [js, je): the gate/up units its warps own (warp_range of csrc;
+    with layout option mma a unit is a tile of 16 rows: csrc/mk_stream.cuh gu_row0)."""
+    units = inter // tile
+    return tile * (units * b // num_sms), tile * (units * (b + 1) // num_sms)
+
+
+def gu_tile(lay) -> int:
+    """Gate/up rows per unit: 16 with layout option mma (layout_mma.TILE), else 1."""
+    return 16 if lay.mma else 1
 
 
 def down_geometry(hp: int, warps: int) -> tuple[int, int, int] | None:
@@ -59,7 +66,8 @@ def part_floats(lay) -> int:
 
 def slice_floats(lay) -> int:
     """Shared floats holding the block's h slice (after the partials)."""
-    return (-(-lay.inter // lay.num_sms) + 3) // 4 * 4
+    t = gu_tile(lay)
+    return (-(-(lay.inter // t) // lay.num_sms) * t + 3) // 4 * 4
 
 
 def act_floats(lay) -> int:
@@ -70,7 +78,7 @@ def warp_down_share(lay, b: int, w: int) -> tuple[int, int, int, int, int]:
     """Warp w of block b: (first h row inside the block slice, rows, first chunk column, columns,
     element offset of its run in the layer's packed down)."""
     r_groups, wc, m = down_geometry(lay.hp, lay.warps_per_block)
-    js, je = block_rows(lay.inter, lay.num_sms, b)
+    js, je = block_rows(lay.inter, lay.num_sms, b, gu_tile(lay))
     nb = je - js
     r, cw = divmod(w, wc)
     a = nb * r // r_groups
@@ -86,7 +94,7 @@ def pack_down_fused(xp, lay, down):
     out = xp.empty(i_dim * hp, xp.uint16)
     r_groups, _, _ = down_geometry(hp, lay.warps_per_block)
     for b in range(lay.num_sms):
-        js, je = block_rows(i_dim, lay.num_sms, b)
+        js, je = block_rows(i_dim, lay.num_sms, b, gu_tile(lay))
         for r in range(r_groups):
             a0, a1 = js + (je - js) * r // r_groups, js + (je - js) * (r + 1) // r_groups
             tile = dt[a0:a1].reshape(a1 - a0, hp // CHUNK, CHUNK).transpose(1, 0, 2)
@@ -102,7 +110,7 @@ def simulate_fused_down(lay, packed: np.ndarray, h: np.ndarray) -> np.ndarray:
     f32 = (packed.astype(np.uint32) << 16).view(np.float32)
     total = np.zeros(lay.hidden, np.int64)
     for b in range(lay.num_sms):
-        js, _ = block_rows(lay.inter, lay.num_sms, b)
+        js, _ = block_rows(lay.inter, lay.num_sms, b, gu_tile(lay))
         part = np.zeros((r_groups, lay.hp), np.float32)
         for w in range(lay.warps_per_block):
             a, n, col0, ncols, off = warp_down_share(lay, b, w)

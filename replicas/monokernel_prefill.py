@@ -179,7 +179,7 @@ class Prefill:
         cos = m.rope_cos[start:end][:, None, :]
         sin = m.rope_sin[start:end][:, None, :]
         for n in range(c.num_hidden_layers):
-            qkv = self._linear(self._rms(x, w["ln1"][n]), w["w_qkv"][n], H)
+            qkv = self._linear(self._rms(x, w["ln1"][n]), w.get("w_qkv_prefill", w["w_qkv"])[n], H)  # mma: own copy
             if c.qkv_bias:
                 qkv += w["qkv_bias"][n]
             q = qkv[:, :Q].reshape(T, NH, D)
@@ -196,9 +196,10 @@ class Prefill:
             x += self._linear(attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
             if c.o_bias:
                 x += w["o_bias"][n]
-            gu = self._linear(self._rms(x, w["ln2"][n]), w["w_gu"][n].reshape(2 * I, -1), H).reshape(T, I, 2)
+            gu = self._linear(self._rms(x, w["ln2"][n]), w.get("w_gu_prefill", w["w_gu"])[n].reshape(2 * I, -1), H
+                              ).reshape(T, I, 2)
             x += self._linear(self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
         logits = None
         if all_logits:
-            logits = self._linear(self._rms(x, w["lnf"]), w["w_lm"], H)
+            logits = self._linear(self._rms(x, w["lnf"]), w.get("w_lm_prefill", w["w_lm"]), H)
         return x[-1].copy(), logits

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from replicas import layout_mma
 from replicas.layout import KernelLayout
 from replicas.layout_attn_o import pack_o_by_group
 from replicas.layout_fused import pack_down_fused
@@ -101,12 +102,32 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     embed = xp.ascontiguousarray(big("model.embed_tokens.weight"))
     out["embed"] = embed
     head = embed if c.tie_word_embeddings else big("lm_head.weight")
-    if lay.hp == H:
+    if lay.mma:  # the kernel's tensor-core tiles (layout_mma.py); the prefill keeps the plain rows
+        _repack_mma(xp, lay, out, head)
+    elif lay.hp == H:
         out["w_lm"] = xp.ascontiguousarray(head)  # tied + unpadded: the embedding is the LM head
     else:
         out["w_lm"] = xp.zeros(shapes["w_lm"], xp.uint16)
         out["w_lm"][:, :H] = head
     return out
+
+
+def _repack_mma(xp, lay: KernelLayout, out: dict[str, Array], head: Array) -> None:
+    """Layout option mma: w_qkv, w_o, w_gu and w_lm in mma A-fragment tiles; the plain matrices the
+    prefill's GEMMs read move to w_qkv_prefill / w_gu_prefill / w_lm_prefill (w_o_prefill exists)."""
+    out["w_qkv_prefill"], out["w_gu_prefill"] = out["w_qkv"], out["w_gu"]
+    qkv, gu, o = out["w_qkv"], out["w_gu"], out["w_o"]
+    out["w_qkv"], out["w_gu"], out["w_o"] = xp.empty_like(qkv), xp.empty_like(gu), xp.empty_like(o)
+    for n in range(lay.layers):
+        out["w_qkv"][n] = layout_mma.pack_rows(xp, qkv[n], lay.splits["qkv"]).reshape(qkv.shape[1:])
+        out["w_gu"][n] = layout_mma.pack_gate_up(xp, gu[n, :, 0], gu[n, :, 1]).reshape(gu.shape[1:])
+        out["w_o"][n] = layout_mma.pack_o_groups(xp, o[n]).reshape(o.shape[1:])
+    if lay.hp == head.shape[1]:
+        out["w_lm_prefill"] = head
+    else:
+        out["w_lm_prefill"] = xp.zeros((head.shape[0], lay.hp), xp.uint16)
+        out["w_lm_prefill"][:, :head.shape[1]] = head
+    out["w_lm"] = layout_mma.pack_lm(xp, lay, head).reshape(lay.packed_shapes()["w_lm"])
 
 
 def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:
