@@ -7,7 +7,7 @@ Example (every field optional except `model`, unless `engine: paced`):
     replicas: {min: 2, max: 4, gpus_per_replica: 8, cpus_per_replica: 1,
                session_cache_mb: 1024, max_sessions: 64}   # agent-session KV kept between turns
     # engine: monokernel with replicas.max_batch 2..8 = one batched engine per GPU; it needs
-    # tensor_parallel_size: 1 and no session settings (it keeps no session KV)
+    # tensor_parallel_size: 1 (the session settings size each engine's session KV cache)
     router: {host: 0.0.0.0, port: 50051, http_port: 8000, metrics_port: 9090}
     autoscaling: {scale_up_after_s: 5, scale_down_idle_s: 60}
     ray: {address: auto}    # or null: start a local Ray with `num_gpus` logical GPUs
@@ -51,7 +51,7 @@ class ReplicaSettings(_Section):
     paced_tokens_per_s: float = Field(200.0, gt=0, description="Token rate of the `paced` test engine.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
-    # None = the engine default, kept apart from a given value (the batched monokernel refuses those)
+    # None = the engine default
     session_cache_mb: float | None = Field(
         None, ge=0, allow_inf_nan=False,
         description="MiB of agent-session KV each engine keeps between turns (engines with session reuse); "
@@ -128,8 +128,8 @@ class ClusterConfig(_Section):
         from replicas.monokernel_choice import fields_problem
 
         rs = self.replicas
-        problem = fields_problem(self.engine, rs.max_batch, rs.tp, rs.session_cache_mb, rs.max_sessions,
-                                 prefix="replicas.", tp_given=rs.tensor_parallel_size is not None)
+        problem = fields_problem(self.engine, rs.max_batch, rs.tp, prefix="replicas.",
+                                 tp_given=rs.tensor_parallel_size is not None)
         if problem:
             raise ValueError(problem)
         return self

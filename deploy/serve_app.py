@@ -42,7 +42,7 @@ class ServeAppArgs(BaseModel):
     max_batch: int = Field(1, ge=1, description="Engine slots = Serve max_ongoing_requests per replica; "
                                                 "monokernel: 2..8 = the batched engine.")
     paced_tokens_per_s: float = Field(200.0, gt=0)
-    # None = the engine default, kept apart from a given value (the batched monokernel refuses those)
+    # None = the engine default
     session_cache_mb: float | None = Field(None, ge=0, allow_inf_nan=False,
                                            description="MiB of agent-session KV each engine keeps between turns "
                                                        "(default 1024).")
@@ -61,8 +61,7 @@ class ServeAppArgs(BaseModel):
             raise ValueError(f"tensor_parallel_size ({tp}) must divide gpus_per_replica ({self.gpus_per_replica})")
         from replicas.monokernel_choice import fields_problem
 
-        problem = fields_problem(self.engine, self.max_batch, self.tp, self.session_cache_mb, self.max_sessions,
-                                 tp_given=tp is not None)
+        problem = fields_problem(self.engine, self.max_batch, self.tp, tp_given=tp is not None)
         if problem:
             raise ValueError(problem)
         return self

@@ -41,8 +41,7 @@ class ReplicaSpec:
     max_batch: int = 1  # monokernel: 2..8 = the batched engine (one per GPU: tensor_parallel_size 1)
     paced_tokens_per_s: float = 200.0
     # agent-session KV kept between turns (engines that support sessions; ignored by the others).
-    # None = the default (1024 MiB, 64 sessions): kept apart from a given value, which the batched
-    # monokernel refuses (it keeps no session KV)
+    # None = the default (1024 MiB, 64 sessions)
     session_cache_mb: float | None = None
     max_sessions: int | None = None  # 0 = no reuse
     host: str | None = None  # bind address; None = the node's IP as Ray sees it
@@ -78,8 +77,7 @@ class ReplicaSpec:
         """Why `engine` cannot serve this spec's max_batch (None when it can; only the monokernel refuses)."""
         from replicas.monokernel_choice import fields_problem
 
-        return fields_problem(engine, self.max_batch, self.tensor_parallel_size, self.session_cache_mb,
-                              self.max_sessions)
+        return fields_problem(engine, self.max_batch, self.tensor_parallel_size)
 
 
 def placement_bundle(gpus: int, cpus: float) -> dict[str, float]:
@@ -144,7 +142,8 @@ def monokernel_loader(spec: ReplicaSpec):
     if batch > 1:
         from replicas.monokernel_batched import BatchedMonokernelEngine
 
-        return lambda group: BatchedMonokernelEngine.from_pretrained(spec.model, batch=batch, devices=group)
+        limits = spec.session_limits()  # sessions' KV kept per engine, as on the single-sequence one
+        return lambda group: BatchedMonokernelEngine.from_pretrained(spec.model, batch=batch, devices=group, **limits)
     from replicas.monokernel import MonokernelEngine
 
     limits = supported_kwargs(MonokernelEngine.from_pretrained, spec.session_limits())

@@ -4,8 +4,8 @@
                       [--host 0.0.0.0] [--metrics-port 9100] [--devices 0,1] [--max-batch 1]
 
 `--engine monokernel --max-batch B` (2..8) serves B requests decoded together on one GPU
-(replicas/monokernel_batched.py); B = 1 is the single-sequence engine (tensor parallel over several
---devices, agent-session reuse on one).
+(replicas/monokernel_batched.py, agent-session reuse per slot); B = 1 is the single-sequence engine
+(tensor parallel over several --devices, agent-session reuse on one).
 
 Also runnable as `python -m replicas.cli_replica ...`. Prints one line
 `replica <id> ready on <host:port> ...` once serving (scripts and tests wait for it).
@@ -46,18 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=_devices, default=[0], help="GPU ordinals for monokernel, e.g. 0,1 (default 0)")
     p.add_argument("--max-batch", type=int, default=1,
                    help="concurrent generations (default 1); monokernel: 2..8 decodes that many together on one GPU "
-                        "(BatchedMonokernelEngine: more aggregate tokens/s, slower per request, no session reuse)")
+                        "(BatchedMonokernelEngine: more aggregate tokens/s, slower per request)")
     p.add_argument("--replica-id", default=None, help="id reported in load and info (default host:port)")
     p.add_argument("--model-name", default=None, help="model name reported by GetInfo (default: directory name)")
     p.add_argument("--tokens-per-s", type=float, default=1000.0, help="paced engine: output rate")
     p.add_argument("--grace", type=float, default=30.0, help="seconds running requests get on shutdown")
-    # default None, not the value: the batched monokernel refuses these only when they are given
+    # default None: the engine's default (replicas.session_cache.session_limits)
     p.add_argument("--session-cache-mb", type=float, default=None,
-                   help="reference and single-GPU monokernel engines: MiB of agent-session KV kept between "
-                        "turns (default 1024; GPU memory on the monokernel)")
+                   help="reference and single-GPU monokernel engines (batched too): MiB of agent-session KV kept "
+                        "between turns (default 1024; GPU memory on the monokernel)")
     p.add_argument("--max-sessions", type=int, default=None,
-                   help="reference and single-GPU monokernel engines: agent sessions kept between turns, LRU "
-                        "(default 64; 0 = no reuse)")
+                   help="reference and single-GPU monokernel engines (batched too): agent sessions kept between "
+                        "turns, LRU (default 64; 0 = no reuse)")
 
 
 def register(sub) -> None:
@@ -82,13 +82,12 @@ def make_engine(args: argparse.Namespace):
         return PacedEngine.from_pretrained(args.model, **kw) if args.model else PacedEngine(**kw)
     if not args.model:
         raise EngineUnavailable(f"--model DIR is required for --engine {args.engine}")
-    given = {"--session-cache-mb": getattr(args, "session_cache_mb", None),  # `generate` has no such flags
-             "--max-sessions": getattr(args, "max_sessions", None)}
-    sessions = session_limits(*given.values())
+    sessions = session_limits(getattr(args, "session_cache_mb", None),  # `generate` has no such flags
+                              getattr(args, "max_sessions", None))
     if args.engine == "reference":
         from replicas.reference import ReferenceEngine
         return ReferenceEngine.from_pretrained(args.model, max_batch=args.max_batch, **sessions)
-    check_monokernel_batch(args.max_batch, args.devices, given)  # before CuPy, the GPU and the weights
+    check_monokernel_batch(args.max_batch, args.devices)  # before CuPy, the GPU and the weights
     try:
         import cupy  # noqa: F401  (checked first: the monokernel module needs it)
     except ImportError:
@@ -103,21 +102,21 @@ def make_engine(args: argparse.Namespace):
         raise EngineUnavailable(f"this build has no monokernel engine ({e.name}); use --engine reference") from None
     try:
         if args.max_batch > 1:
-            return BatchedMonokernelEngine.from_pretrained(args.model, batch=args.max_batch, devices=args.devices)
+            return BatchedMonokernelEngine.from_pretrained(args.model, batch=args.max_batch, devices=args.devices,
+                                                           **sessions)
         return MonokernelEngine.from_pretrained(args.model, devices=args.devices, **sessions)  # ignored over TP
     except MonokernelUnavailable as e:  # CuPy imports but finds no usable GPU
         raise EngineUnavailable(str(e)) from None
 
 
-def check_monokernel_batch(max_batch: int, devices: list[int], sessions: dict) -> None:
+def check_monokernel_batch(max_batch: int, devices: list[int]) -> None:
     """Refuse --max-batch combinations the monokernel cannot serve (replicas.monokernel_choice)."""
     from replicas.monokernel_choice import batch_problem
 
     problem = batch_problem(
         max_batch, "--max-batch",
         tensor_parallel=f"--devices {','.join(map(str, devices))}" if len(devices) > 1 else None,
-        one_gpu_fix="give one GPU (e.g. --devices 0) and run one replica per GPU behind the router",
-        sessions=sessions)
+        one_gpu_fix="give one GPU (e.g. --devices 0) and run one replica per GPU behind the router")
     if problem:
         raise EngineUnavailable(problem)
 

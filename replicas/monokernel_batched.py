@@ -16,7 +16,12 @@ a batch launch left with one slot yields to it. A launch ends by itself when no 
 
 Same tokens as the single-sequence engine for the same request (slots do not interact): each slot's
 math is the B = 1 kernel's, except that its int64 fixed-point sums are exact in any order.
-No agent-session reuse here (MonokernelEngine has it); forward_logits runs on slot 0.
+forward_logits runs on slot 0.
+
+Agent sessions (`generate(..., session_id=...)`) as in MonokernelEngine, per slot
+(replicas/monokernel_batched_sessions.py): a session's next turn is admitted with the stored KV
+rows copied into its slot and only the new suffix prefilled; when its slot ends, the valid rows are
+kept once the launch has yielded (the other slots resume in the next launch). Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from replicas.engine import EngineBusy, FinishReason, Generation, InvalidRequest
 from replicas.model import ModelConfig
 from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
+from replicas.monokernel_batched_sessions import SlotSessions
+from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionLease, SessionStats
 
 
 SWITCH_MIN_TOKENS = 16  # a batch launch left with one slot yields to the single build if more remain
@@ -53,6 +60,21 @@ class _Request:
     sent: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     admitted: float = 0.0  # when its prefill started (join latency = admitted - submitted)
+    session_id: str | None = None
+    lease: SessionLease | None = None  # taken at admission (SlotSessions.restore)
+    reused: int = 0  # leading prompt tokens whose KV came from the session's previous turn
+
+
+class _BatchGeneration(Generation):
+    """A Generation that reports its request's reused session tokens (set at admission, before any token)."""
+
+    def __init__(self, steps, req: _Request):
+        super().__init__(steps)
+        self._req = req
+
+    @property
+    def reused_tokens(self) -> int:
+        return self._req.reused
 
 
 class BatchedMonokernelEngine:
@@ -62,8 +84,12 @@ class BatchedMonokernelEngine:
 
     def __init__(self, config: ModelConfig, tensors, batch: int = 4, devices: Sequence[int] = (0,),
                  max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None,
-                 sub_builds: bool = False):
-        """sub_builds: smaller batch builds for partial occupancy (BatchGpuModel; not yet run on a GPU)."""
+                 sub_builds: bool = False, *, session_cache_bytes: int = DEFAULT_MAX_BYTES,
+                 max_sessions: int = DEFAULT_MAX_SESSIONS):
+        """sub_builds: smaller batch builds for partial occupancy (BatchGpuModel; not yet run on a GPU).
+        Agent sessions' KV is kept between turns (in GPU memory) within `session_cache_bytes` /
+        `max_sessions` (replicas.session_cache; max_sessions=0 turns reuse off), one cache for all slots."""
+        sessions = SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before the GPU work
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
@@ -71,19 +97,22 @@ class BatchedMonokernelEngine:
                             progress=progress, layout_options=layout_options, sub_builds=sub_builds)
         from replicas.monokernel_prefill import Prefill
 
-        self._start(config, gpu, devices, Prefill)
+        self._start(config, gpu, devices, Prefill, sessions)
 
     @classmethod
-    def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,)) -> BatchedMonokernelEngine:
+    def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,), *,
+               session_cache_bytes: int = DEFAULT_MAX_BYTES,
+               max_sessions: int = DEFAULT_MAX_SESSIONS) -> BatchedMonokernelEngine:
         """Exists for tests (tests/test_monokernel_batch_cpu.py): the engine around an already built `gpu`
         (BatchGpuModel, or a stand-in with its slot API) and `prefill(slot_view)` -> an object whose
-        `run(ids, all_logits=False)` prefills that slot (monokernel_prefill.Prefill)."""
+        `run(ids, all_logits=False, start=0)` prefills that slot (monokernel_prefill.Prefill)."""
         engine = cls.__new__(cls)
-        engine._start(config, gpu, list(devices), prefill)
+        engine._start(config, gpu, list(devices), prefill, SessionCache(session_cache_bytes, max_sessions))
         return engine
 
-    def _start(self, config: ModelConfig, gpu, devices: list[int], prefill) -> None:
-        self.config, self.gpu = config, gpu
+    def _start(self, config: ModelConfig, gpu, devices: list[int], prefill, sessions: SessionCache) -> None:
+        self.config, self.gpu, self.sessions = config, gpu, sessions
+        self._sessions = SlotSessions(sessions, gpu)
         self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
         self._prefill = [prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
         self._cv = threading.Condition()
@@ -103,18 +132,26 @@ class BatchedMonokernelEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, batch: int = 4, devices: Sequence[int] = (0,),
                         max_context: int | None = None, progress: bool | None = None,
-                        layout_options: dict | None = None, sub_builds: bool = False) -> BatchedMonokernelEngine:
+                        layout_options: dict | None = None, sub_builds: bool = False, *,
+                        session_cache_bytes: int = DEFAULT_MAX_BYTES,
+                        max_sessions: int = DEFAULT_MAX_SESSIONS) -> BatchedMonokernelEngine:
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
+        SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before reading gigabytes
         config = ModelConfig.from_pretrained(path)
         import_cupy()
         tensors = load_weights(path, config, dtype="raw", progress=progress)
         return cls(config, tensors, batch=batch, devices=devices, max_context=max_context, progress=progress,
-                   layout_options=layout_options, sub_builds=sub_builds)
+                   layout_options=layout_options, sub_builds=sub_builds, session_cache_bytes=session_cache_bytes,
+                   max_sessions=max_sessions)
 
     # ---- Engine protocol -------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], params: SamplingParams) -> Generation:
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 session_id: str | None = None) -> Generation:
+        """Start a generation in a free slot; raises InvalidRequest (bad input) or EngineBusy. With
+        `session_id`, as MonokernelEngine.generate: the KV that session's previous turn left is reused
+        for the common prefix and this turn's KV is kept for the next one (not after a cancel or an error)."""
         ids, stops = check_request(self.config, self.max_context, prompt_ids, params)
         with self._cv:
             if self._closed:
@@ -122,13 +159,13 @@ class BatchedMonokernelEngine:
             if len(self._pending) + self._admitting + sum(s is not None for s in self._slots) >= self.max_batch:
                 raise EngineBusy(f"all {self.max_batch} slots of the batched monokernel are busy; "
                                  "retry when one finishes")
-            req = _Request(ids, params, stops, threading.Event())
+            req = _Request(ids, params, stops, threading.Event(), session_id=session_id or None)
 
             def steps(cancel: threading.Event):
                 req.cancel = cancel  # watched from the start: cancel()/close() before next() frees the slot too
                 return self._stream(req, cancel)
 
-            gen = Generation(steps)
+            gen = _BatchGeneration(steps, req)
             self._pending.append(req)
             self._cv.notify_all()
         weakref.finalize(gen, gen._cancel.set)  # dropped without close(): its slot is freed, not decoded to the end
@@ -200,6 +237,10 @@ class BatchedMonokernelEngine:
                 self._running = False
                 self._cv.notify_all()
 
+    def session_stats(self) -> SessionStats:
+        """Session KV reuse counters and what is resident now."""
+        return self.sessions.stats()
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -231,7 +272,10 @@ class BatchedMonokernelEngine:
                     self._running = False
                     self._admitting = 0
                     self._cv.notify_all()
+                for r, end in self._sessions.abandon():  # finished before the failure: their KV is not kept
+                    r.out.put(end)
                 for r in failed:
+                    self._sessions.fail(r)
                     r.out.put(("err", e))
 
     def _take_joins(self) -> list[_Request]:
@@ -257,7 +301,8 @@ class BatchedMonokernelEngine:
             self.join_latencies.append(r.admitted - r.submitted)
             self.gpu.slot_ctrl(b)[:] = 0  # a new request's control words
             with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
-                x_last, _ = self._prefill[b].run(r.ids)
+                r.reused = start = self._sessions.restore(r, b)  # a session's stored rows [0, start)
+                x_last, _ = self._prefill[b].run(r.ids, start=start)
             p = r.params
             r.spec = SlotSpec(start_pos=len(r.ids), max_steps=min(p.max_tokens, self.max_context - len(r.ids)),
                               mode=sampling_mode(p), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
@@ -288,11 +333,13 @@ class BatchedMonokernelEngine:
             self._drain(final=not running)
             if not running:
                 break
-            if not yielded and (self._join_waiting() or (not single and self._lone_left())):
-                gpu.request_yield()  # admit the newcomer, or move a lone slot to the single build
+            if not yielded and (self._join_waiting() or self._sessions.pending or (not single and self._lone_left())):
+                gpu.request_yield()  # admit the newcomer, keep a finished session's KV, or go to the single build
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()
+        for r, end in self._sessions.store():  # the KV of sessions' slots that ended in this launch
+            r.out.put(end)
         for b, r in enumerate(self._slots):
             if r is not None:
                 self._x[b] = gpu.hidden_state(b, single)
@@ -327,7 +374,10 @@ class BatchedMonokernelEngine:
                 if r.cancel.is_set():
                     status = FinishReason.CANCELLED
                 stop = int(ctrl[L.CTRL_STOP_TOKEN]) if status is FinishReason.STOP else None
+                end = ("end", status, stop)
+                deferred = self._sessions.ended(r, b, status, count, end)  # its end waits for its KV copy
                 with self._cv:  # free the slot first: a caller that saw the end may reuse it at once
                     self._slots[b] = None
                     self._cv.notify_all()
-                r.out.put(("end", status, stop))
+                if not deferred:
+                    r.out.put(end)

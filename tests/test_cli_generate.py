@@ -92,7 +92,7 @@ def test_generate_builds_the_batched_monokernel_when_asked(tiny_checkpoint, mono
     assert main(base) == 0
     assert "3 generated" in capsys.readouterr().err
     assert [name for name, _ in monokernel_builds] == ["BatchedMonokernelEngine", "MonokernelEngine"]
-    assert monokernel_builds[0][1] == {"batch": 4, "devices": [0]}
+    assert monokernel_builds[0][1] == {"batch": 4, "devices": [0], "session_cache_bytes": 2**30, "max_sessions": 64}
 
 
 def test_generate_max_batch_refusals(tiny_checkpoint, monkeypatch, capsys):

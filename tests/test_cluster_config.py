@@ -96,6 +96,9 @@ def test_batched_monokernel_config_reaches_the_replica_spec():
                                "replicas": {"max_batch": 4, "tensor_parallel_size": 1, "max_sessions": 0}})
     spec = cfg.replica_spec("r")
     assert (spec.engine, spec.max_batch, spec.tensor_parallel_size, spec.max_sessions) == ("monokernel", 4, 1, 0)
+    sized = ClusterConfig.parse({"model": "m", "engine": "monokernel", "replicas": {
+        "max_batch": 2, "tensor_parallel_size": 1, "session_cache_mb": 256, "max_sessions": 8}})  # batched sessions
+    assert sized.replica_spec("r").session_limits() == {"session_cache_bytes": 2**28, "max_sessions": 8}
     one_gpu = ClusterConfig.parse({"model": "m", "engine": "monokernel",
                                    "replicas": {"max_batch": 8, "gpus_per_replica": 1}})
     assert one_gpu.replica_spec("r").tensor_parallel_size == 1
@@ -113,11 +116,6 @@ def test_batched_monokernel_config_reaches_the_replica_spec():
      "tensor-parallel monokernel decodes one sequence at a time); set replicas.tensor_parallel_size to 1 (one "
      "batched engine per GPU: a replica with N GPUs serves N x max_batch), or keep replicas.max_batch 1"),
     ({"max_batch": 2, "tensor_parallel_size": 2}, "replicas.max_batch 2 with replicas.tensor_parallel_size 2: "),
-    ({"max_batch": 2, "tensor_parallel_size": 1, "session_cache_mb": 256, "max_sessions": 8},
-     "config: engine 'monokernel': replicas.max_batch 2 with replicas.session_cache_mb 256 and "
-     "replicas.max_sessions 8: the batched monokernel keeps no agent-session KV between turns (every turn "
-     "prefills its whole prompt; only the single-sequence engine, replicas.max_batch 1, reuses sessions); "
-     "drop the session settings or use replicas.max_batch 1"),
 ])
 def test_batched_monokernel_refusals_name_the_fields(replicas, expected):
     with pytest.raises(ClusterConfigError) as e:
@@ -129,6 +127,6 @@ def test_batched_monokernel_is_checked_again_after_overrides_and_a_json_round_tr
     batched = {"model": "m", "replicas": {"max_batch": 4, "tensor_parallel_size": 1}}
     cfg = ClusterConfig.parse(batched).with_overrides(engine="monokernel")  # `monoserve up --engine monokernel`
     assert ClusterConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as the supervisor actor reads it
-    with pytest.raises(ClusterConfigError, match="replicas.max_batch 4 with replicas.max_sessions 3"):
-        ClusterConfig.parse({**batched, "replicas": {**batched["replicas"], "max_sessions": 3}}).with_overrides(
-            engine="monokernel")
+    with pytest.raises(ClusterConfigError, match="replicas.max_batch 4 with replicas.tensor_parallel_size 2"):
+        ClusterConfig.parse({**batched, "replicas": {**batched["replicas"], "tensor_parallel_size": 2}}
+                            ).with_overrides(engine="monokernel")

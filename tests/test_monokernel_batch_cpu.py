@@ -4,9 +4,12 @@
 (2) Where nvcc exists: batch builds compile for sm_90a. (3) `BatchedMonokernelEngine`'s scheduler
 (replicas/monokernel_batched.py) with real threads on a numpy stand-in GPU whose "kernel" thread
 keeps the real kernel's host protocol (csrc/monokernel.cu's step loop: per-slot CTRL words,
-cancel, stops, budget, yield at a step boundary) and emits token n of a slot as a hash of (the
-prompt prefilled into that slot, n): any lost, repeated or misplaced token, a wrong resume
-position or a prompt in the wrong slot changes a request's output. The CUDA side is
+cancel, stops, budget, yield at a step boundary) and emits token n of a slot as a hash of the KV
+rows in that slot's cache before it (the prefill writes a row per prompt token, derived from the
+token and its position; the kernel writes one per token it feeds back, not for the one that ends
+the generation): any lost, repeated or misplaced token, a wrong resume position, a prompt in the
+wrong slot or a wrong KV row (e.g. an agent session's restored prefix,
+tests/test_monokernel_batched_sessions_cpu.py) changes a request's output. The CUDA side is
 tests/test_monokernel_batch_gpu.py.
 """
 
@@ -127,10 +130,25 @@ STEP_S = 5e-4  # one decode step of the stand-in kernel
 FX_PER_STEP = 4  # fused-MLP turns per step (one per layer): what exit_state() reports
 
 
-def token(prompt, n: int, mode: int = L.MODE_GREEDY, seed: int = 0) -> int:
-    """Token n of a generation (the stand-in kernel's "model"); sampled slots also depend on the seed."""
-    key = np.asarray([*prompt, -1, n, mode, seed if mode != L.MODE_GREEDY else 0], np.int64)
-    return int.from_bytes(hashlib.blake2b(key.tobytes(), digest_size=8).digest(), "little") % CFG.vocab_size
+KV_SHAPE = (2, 1, MAX_CTX, 2)  # one slot's stand-in KV cache, [L][kv_heads][max_ctx][D] uint16
+
+
+def kv_rows(ids, start: int = 0):
+    """The stand-in model's K and V rows [L][kv_heads][len(ids)][D] of tokens `ids` at positions start.."""
+    t = np.asarray(ids, np.int64)[None, None, :, None]
+    p = np.arange(start, start + len(ids))[None, None, :, None]
+    lhd = np.arange(KV_SHAPE[0])[:, None, None, None] * 7 + np.arange(KV_SHAPE[3])[None, None, None, :] * 3
+    return (t * 7919 + p * 31 + lhd) % 65521, (t * 104729 + p * 17 + lhd * 5) % 65519
+
+
+def token(k, v, n: int, mode: int = L.MODE_GREEDY, seed: int = 0) -> int:
+    """Token n of a generation whose cache holds K/V rows k, v before it (the stand-in kernel's
+    "model"); sampled slots also depend on the seed."""
+    key = np.asarray([n, mode, seed if mode != L.MODE_GREEDY else 0], np.int64)
+    h = hashlib.blake2b(key.tobytes(), digest_size=8)
+    for rows in (k, v):
+        h.update(np.ascontiguousarray(rows, np.uint16).tobytes())
+    return int.from_bytes(h.digest(), "little") % CFG.vocab_size
 
 
 def expected(prompt, params: SamplingParams):
@@ -138,7 +156,7 @@ def expected(prompt, params: SamplingParams):
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(CFG.eos_token_ids))
     out = []
     for n in range(min(params.max_tokens, MAX_CTX - len(prompt))):
-        t = token(prompt, n, sampling_mode(params), params.seed or 0)
+        t = token(*kv_rows(list(prompt) + out), n, sampling_mode(params), params.seed or 0)
         if t in stops:
             return out, FinishReason.STOP, t
         out.append(t)
@@ -147,6 +165,19 @@ def expected(prompt, params: SamplingParams):
 
 class FakeStream(nullcontext):
     done = True  # no launch on it
+
+
+class FakeKv(np.ndarray):
+    """A slot's KV cache (and its slices): a copy taken while a launch runs is an error (on the GPU it
+    allocates device memory while the persistent kernel holds it)."""
+
+    def __array_finalize__(self, obj):
+        self.gpu = getattr(obj, "gpu", None)
+
+    def copy(self, order="C"):
+        if not self.gpu.stream.done:
+            self.gpu.errors.append("KV copied while a launch runs")
+        return np.asarray(self).copy(order)
 
 
 class FakeBatchGpu:
@@ -162,20 +193,29 @@ class FakeBatchGpu:
     def __init__(self, batch: int, step_s: float = STEP_S):
         self.batch, self.max_context, self.device, self.step_s = batch, MAX_CTX, 0, step_s
         self.stream = FakeStream()
-        self.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda d: nullcontext()))
+        self.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(
+            Device=lambda d: nullcontext(), memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)))
         self.host_ctrl = np.zeros(batch * L.CTRL_WORDS, np.int32)
         self.host_tokens = np.zeros(batch * MAX_CTX, np.int32)
         self.host_kctl = np.zeros(4, np.int32)
-        self.views = [types.SimpleNamespace(prompt=None) for _ in range(batch)]  # slot b's "KV cache"
+        garbage = np.random.default_rng(batch)  # rows nothing wrote yet: a read of one changes the token
+        self.views = [types.SimpleNamespace(prompt=None, k_cache=self._kv(garbage), v_cache=self._kv(garbage))
+                      for _ in range(batch)]  # slot b's KV cache (and the prompt prefilled into it)
         self.state: list[tuple | None] = [None] * batch  # ("h", prompt, next token index) per slot
         self.launches: list[dict[int, int]] = []  # slot -> step0, per launch
         self.prefilled: list[tuple] = []
+        self.prefill_starts: list[int] = []  # per prefill: the first position it computed (cached before)
         self.finished: dict[tuple, int] = {}  # prompt -> the status its slot ended with
         self.yields = 0
         self.errors: list[str] = []
         self.prefill_gate, self.in_prefill = threading.Event(), threading.Event()
         self.prefill_gate.set()
         self._exit, self._thread = (0, 0), None
+
+    def _kv(self, rng):
+        kv = rng.integers(0, 65535, KV_SHAPE, np.uint16).view(FakeKv)
+        kv.gpu = self
+        return kv
 
     def slot_view(self, b):
         return self.views[b]
@@ -236,8 +276,9 @@ class FakeBatchGpu:
                 break
             time.sleep(self.step_s)
             for b, s in list(live.items()):
-                ctrl, n, prompt = self.slot_ctrl(b), s.step0 + step, self.views[b].prompt
-                tok = token(prompt, n, s.mode, s.seed)
+                ctrl, n, view = self.slot_ctrl(b), s.step0 + step, self.views[b]
+                prompt, pos = view.prompt, s.start_pos + n  # token n reads rows [0, pos)
+                tok = token(view.k_cache[:, :, :pos], view.v_cache[:, :, :pos], n, s.mode, s.seed)
                 last = n + 1 >= s.max_steps or s.start_pos + n + 1 >= MAX_CTX
                 status = (L.STATUS_CANCELLED if ctrl[L.CTRL_CANCEL] else L.STATUS_STOP if tok in s.stop_ids
                           else L.STATUS_LENGTH if last else 0)
@@ -250,6 +291,7 @@ class FakeBatchGpu:
                     self.state[b] = None
                     del live[b]
                 else:
+                    view.k_cache[:, :, pos:pos + 1], view.v_cache[:, :, pos:pos + 1] = kv_rows([tok], pos)
                     self.state[b] = ("h", prompt, n + 1)  # token n went through the layers
             if not live:
                 break
@@ -266,18 +308,21 @@ class FakeBatchGpu:
 
 
 class FakePrefill:
-    """Prefill of one slot: puts the prompt into the slot's "KV cache"; waits while prefill_gate is clear."""
+    """Prefill of one slot: writes the KV rows of ids[start:] into the slot's cache (rows [0, start) are
+    the caller's: a session's restored prefix); waits while prefill_gate is clear."""
 
     def __init__(self, gpu: FakeBatchGpu, view):
         self.gpu, self.view = gpu, view
 
-    def run(self, ids, all_logits=False):
+    def run(self, ids, all_logits=False, start=0):
         gpu = self.gpu
         if not gpu.stream.done:
             gpu.errors.append("prefill while a launch holds the SMs")
         gpu.in_prefill.set()
         assert gpu.prefill_gate.wait(5)
         gpu.prefilled.append(tuple(ids))
+        gpu.prefill_starts.append(start)
+        self.view.k_cache[:, :, start:len(ids)], self.view.v_cache[:, :, start:len(ids)] = kv_rows(ids[start:], start)
         self.view.prompt = tuple(ids)
         return ("h", tuple(ids), 0), None
 
@@ -286,9 +331,9 @@ class FakePrefill:
 def make():
     built = []
 
-    def build(batch: int = 4, step_s: float = STEP_S):
+    def build(batch: int = 4, step_s: float = STEP_S, **session_limits):
         gpu = FakeBatchGpu(batch, step_s)
-        eng = BatchedMonokernelEngine.around(CFG, gpu, lambda view: FakePrefill(gpu, view))
+        eng = BatchedMonokernelEngine.around(CFG, gpu, lambda view: FakePrefill(gpu, view), **session_limits)
         built.append((eng, gpu))
         return eng, gpu
 

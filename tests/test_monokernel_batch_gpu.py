@@ -157,3 +157,34 @@ def test_lone_slot_runs_the_single_build_and_switches_exactly(engines):
     assert out == list(one.generate(ps[0], long_q))
     assert other == list(one.generate(ps[1], short_q))
     assert many.single_launches >= singles + 2
+
+
+def test_a_sessions_turn_two_equals_a_fresh_request(engines):
+    """Agent-session reuse per slot (tests/test_monokernel_sessions_gpu.py does the single engine): turn 2
+    restores the stored prefix into its slot and prefills only the rest, and outputs what a fresh
+    full-prompt request does (up to a near tie: reused KV was written by the kernel, a fresh request's by
+    the prefill GEMMs), while another slot decodes through both turns and stays the single engine's."""
+    from replicas.engine import SamplingParams
+
+    from tests.test_monokernel_sessions_gpu import assert_same_greedy, words
+
+    _, one, many = engines
+    before = many.session_stats()
+    other, long_q = words(many, 50, 3), SamplingParams(max_tokens=600, ignore_eos=True)
+    background = many.generate(other, long_q)
+    head = [next(background) for _ in range(3)]
+    q = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = words(many, 200, 2)
+    gen = many.generate(prompt, q, session_id="b2")
+    out1 = list(gen)
+    assert gen.reused_tokens == 0
+    turn2 = prompt + out1 + words(many, 30, 4)
+    gen = many.generate(turn2, q, session_id="b2")
+    out2 = list(gen)
+    assert gen.reused_tokens == len(prompt) + len(out1) - 1  # the last output token was never fed back
+    assert head + list(background) == list(one.generate(other, long_q))
+    after = many.session_stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
+    assert after.reused_tokens - before.reused_tokens == gen.reused_tokens
+    assert_same_greedy(many, prompt, out1, list(many.generate(prompt, q)))
+    assert_same_greedy(many, turn2, out2, list(many.generate(turn2, q)))

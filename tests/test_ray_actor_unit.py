@@ -82,7 +82,12 @@ def test_monokernel_max_batch_builds_one_batched_engine_per_gpu(monokernel_build
     assert isinstance(engine, EngineGroup) and engine.max_batch == 8  # 2 GPUs x 4 slots
     assert sorted(kw["devices"] for _, kw in monokernel_builds) == [[0], [1]]
     assert {name for name, _ in monokernel_builds} == {"BatchedMonokernelEngine"}
-    assert all(kw == {"batch": 4, "devices": kw["devices"]} for _, kw in monokernel_builds)
+    assert all(kw == {"batch": 4, "devices": kw["devices"], "session_cache_bytes": 2**30, "max_sessions": 64}
+               for _, kw in monokernel_builds)
+    make_engine(ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=2, max_sessions=8,
+                            session_cache_mb=0.5), [0])  # each batched engine keeps sessions' KV, so sized
+    assert monokernel_builds[-1] == ("BatchedMonokernelEngine", {"batch": 2, "devices": [0],
+                                                                 "session_cache_bytes": 2**19, "max_sessions": 8})
 
 
 def test_monokernel_max_batch_one_keeps_the_single_sequence_engine_and_its_sessions(monokernel_builds):
@@ -112,9 +117,6 @@ def test_auto_on_a_gpu_follows_max_batch_and_falls_back_when_the_monokernel_cann
      "supported together (the tensor-parallel monokernel decodes one sequence at a time); set "
      "tensor_parallel_size to 1 (one batched engine per GPU: a replica with N GPUs serves N x max_batch), "
      "or keep max_batch 1"),
-    (dict(max_batch=2, max_sessions=8), "engine 'monokernel': max_batch 2 with max_sessions 8: the batched "
-                                        "monokernel keeps no agent-session KV between turns"),
-    (dict(max_batch=2, session_cache_mb=0.5), "max_batch 2 with session_cache_mb 0.5: the batched monokernel"),
     (dict(max_batch=0), "max_batch must be an integer >= 1, got 0"),
 ])
 def test_spec_refuses_what_the_monokernel_cannot_batch(fields, expected):
@@ -126,3 +128,4 @@ def test_spec_batch_limits_are_the_monokernels_only():
     ReplicaSpec(replica_id="r", model="/m", engine="reference", max_batch=16, max_sessions=8)
     ReplicaSpec(replica_id="r", model="/m", engine="auto", max_batch=16, tensor_parallel_size=8)
     ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=8, max_sessions=0)  # 0 = no reuse
+    ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=8, max_sessions=8, session_cache_mb=256)

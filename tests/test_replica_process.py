@@ -146,8 +146,12 @@ def test_max_batch_above_one_builds_the_batched_monokernel_on_one_gpu(monokernel
 
     assert make_engine(_replica_args("--max-batch", "4", "--devices", "1")).max_batch == 4
     assert make_engine(_replica_args("--max-batch", "8", "--max-sessions", "0")).max_batch == 8
-    assert monokernel_builds == [("BatchedMonokernelEngine", {"batch": 4, "devices": [1]}),
-                                 ("BatchedMonokernelEngine", {"batch": 8, "devices": [0]})]  # max_sessions 0: fine
+    assert make_engine(_replica_args("--max-batch", "2", "--max-sessions", "8", "--session-cache-mb", "512")
+                       ).max_batch == 2
+    assert monokernel_builds == [  # the session settings size the batched engine's session cache
+        ("BatchedMonokernelEngine", {"batch": 4, "devices": [1], "session_cache_bytes": 2**30, "max_sessions": 64}),
+        ("BatchedMonokernelEngine", {"batch": 8, "devices": [0], "session_cache_bytes": 2**30, "max_sessions": 0}),
+        ("BatchedMonokernelEngine", {"batch": 2, "devices": [0], "session_cache_bytes": 2**29, "max_sessions": 8})]
 
 
 def test_max_batch_one_keeps_the_single_sequence_monokernel_with_sessions(monokernel_builds):
@@ -168,12 +172,6 @@ def test_max_batch_one_keeps_the_single_sequence_monokernel_with_sessions(monoke
      "--max-batch 2 with --devices 0,1: tensor parallelism and batching are not supported together (the "
      "tensor-parallel monokernel decodes one sequence at a time); give one GPU (e.g. --devices 0) and run one "
      "replica per GPU behind the router, or keep --max-batch 1 for one engine over several GPUs"),
-    (["--max-batch", "4", "--max-sessions", "8"],
-     "--max-batch 4 with --max-sessions 8: the batched monokernel keeps no agent-session KV between turns"),
-    (["--max-batch", "4", "--session-cache-mb", "512"],
-     "--max-batch 4 with --session-cache-mb 512: the batched monokernel keeps no agent-session KV between turns "
-     "(every turn prefills its whole prompt; only the single-sequence engine, --max-batch 1, reuses sessions); "
-     "drop the session settings or use --max-batch 1"),
 ])
 def test_max_batch_refusals_exit_2_before_any_gpu_work(argv, message, monkeypatch, capsys):
     from replicas.cli_replica import main

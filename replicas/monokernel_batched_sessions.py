@@ -1,0 +1,115 @@
+"""Agent-session KV reuse for the slots of the batched monokernel engine (replicas/monokernel_batched.py).
+
+The single-sequence engine's rules (replicas/monokernel.py), per slot. When a request of a session
+is admitted into slot b, the scheduler acquires the session's lease (replicas/session_cache.py),
+copies the stored rows [0, reused) into slot b's KV view and prefills only the rest. When the slot
+ends by STOP or LENGTH, the rows the kernel left valid are copied into GPU arrays of exactly that
+length and kept as the session's entry; a cancel or an error drops the entry (which rows are valid
+is then unknown). A second request of a session that is running gets a fresh prefill.
+
+A slot usually ends while the other slots keep decoding in the same launch. Its KV is copied only
+after that launch has ended (no device allocation while the persistent kernel holds the GPU; the
+scheduler thread must stay free to stream every slot's tokens): the ending slot asks the launch to
+yield at its next step boundary, as a join does, and its generation ends once the copy is queued on
+the engine's stream (ahead of any later prefill into that slot).
+
+Tested on the CPU (tests/test_monokernel_batched_sessions_cpu.py); not yet run on a GPU
+(tests/test_monokernel_batch_gpu.py::test_a_sessions_turn_two_equals_a_fresh_request).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from replicas.engine import FinishReason
+from replicas.monokernel import _SessionKV
+from replicas.session_cache import SessionCache
+
+
+@dataclass
+class _Keep:
+    """A finished slot whose KV is copied once the launch has ended."""
+
+    req: Any  # the engine's request (its `lease`, `ids`)
+    slot: int
+    n: int  # valid KV rows
+    tokens: list[int]  # the ids those rows hold
+    end: tuple  # the ("end", reason, stop) message its generation gets after the copy
+
+
+class SlotSessions:
+    """The session side of one batched engine: lease per admitted request, KV copies per slot."""
+
+    def __init__(self, cache: SessionCache, gpu):
+        self.cache, self.gpu = cache, gpu
+        self.pending: list[_Keep] = []  # slots that ended in the running launch, KV not copied yet
+
+    def restore(self, req, b: int) -> int:
+        """At admission into slot b (no launch running): take the request's lease and copy the stored
+        rows [0, reused) into the slot's cache; returns how many (0 = prefill the whole prompt)."""
+        if not req.session_id:
+            return 0
+        req.lease = lease = self.cache.acquire(req.session_id, req.ids)
+        if lease.kv is None:
+            return 0
+        r, view, gpu = lease.reused, self.gpu.slot_view(b), self.gpu
+        with gpu.cp.cuda.Device(gpu.device), gpu.stream:  # ordered before the prefill on the same stream
+            view.k_cache[:, :, :r] = lease.kv.k[:, :, :r]
+            view.v_cache[:, :, :r] = lease.kv.v[:, :, :r]
+        return r
+
+    def ended(self, req, b: int, reason: FinishReason, count: int, end: tuple) -> bool:
+        """Slot b finished with `count` tokens emitted. True: its KV is to be kept and its `end` message
+        waits for `store()` (the caller asks the launch to yield); False: send `end` now.
+
+        The kernel feeds a token through the layers (writing its K/V) only at a step that did not end
+        the generation: on LENGTH the last emitted token never was; on STOP every emitted token was
+        (the stop token is neither emitted nor fed)."""
+        lease = req.lease
+        if lease is None:
+            return False
+        if reason not in (FinishReason.STOP, FinishReason.LENGTH):
+            self.cache.discard(lease)
+            return False
+        n = len(req.ids) + count - (1 if reason is FinishReason.LENGTH else 0)
+        view = self.gpu.slot_view(b)
+        nbytes = int(view.k_cache[:, :, :n].nbytes + view.v_cache[:, :, :n].nbytes)
+        if nbytes > self.cache.max_bytes or self.cache.max_sessions == 0:
+            self.cache.discard(lease)  # would be evicted at once: skip the copy
+            return False
+        fed = [int(t) for t in self.gpu.slot_tokens(b)[:n - len(req.ids)]]
+        self.pending.append(_Keep(req, b, n, req.ids + fed, end))
+        return True
+
+    def store(self) -> list[tuple[Any, tuple]]:
+        """After the launch has ended: copy each pending slot's valid rows into the session's entry.
+        Returns (request, end message) of each, to be sent now."""
+        done, gpu = [], self.gpu
+        while self.pending:
+            keep = self.pending[0]
+            view = gpu.slot_view(keep.slot)
+            try:
+                with gpu.cp.cuda.Device(gpu.device), gpu.stream:
+                    kv = _SessionKV(view.k_cache[:, :, :keep.n].copy(), view.v_cache[:, :, :keep.n].copy())
+            except gpu.cp.cuda.memory.OutOfMemoryError:  # keeping the KV is an optimisation: the turn itself succeeded
+                self.cache.discard(keep.req.lease)
+            else:
+                self.cache.release(keep.req.lease, kv, keep.tokens, kv.nbytes)
+            self.pending.pop(0)
+            done.append((keep.req, keep.end))
+        return done
+
+    def abandon(self) -> list[tuple[Any, tuple]]:
+        """A GPU failure: drop the pending slots' entries; returns (request, end message) of each (their
+        tokens were all streamed before the failure)."""
+        done = [(k.req, k.end) for k in self.pending]
+        for k in self.pending:
+            self.cache.discard(k.req.lease)
+        self.pending.clear()
+        return done
+
+    def fail(self, req) -> None:
+        """The request ended with an error: which rows are valid is unknown, drop the session's entry."""
+        if req.lease is not None:
+            self.cache.discard(req.lease)
