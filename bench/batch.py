@@ -128,7 +128,7 @@ def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, ru
 
 
 def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
-                 variants: list[str] | None = None, sub_builds: bool = False) -> dict:
+                 variants: list[str] | None = None, sub_builds: bool = False, layout: str = "") -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -151,7 +151,9 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
         return out
     out["builds"] = []
     for b in builds:
-        eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048, sub_builds=sub_builds)
+        from bench.decode import ab_options
+        eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048, sub_builds=sub_builds,
+                                      layout_options=ab_options(layout) if layout else None)
         ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(b)]
         run_together(eng, ps[:1], 32)  # warm-up
         row = {"batch": b, "compile_s": round(eng.gpu.compile_seconds, 1), "ring": eng.gpu.layout.ring_slots,
@@ -192,6 +194,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=[],
                     help="A/B the largest build at full occupancy against these layout variants (bench/decode.py "
                          "--ab syntax, e.g. ao_slots); skips the occupancy table")
+    ap.add_argument("--layout", default="",
+                    help="layout options of the batched engines in the occupancy table (--ab syntax, e.g. mma or "
+                         "mma+ao_slots); the single-sequence row stays the default engine")
     args = ap.parse_args()
     import cupy as cp
 
@@ -201,8 +206,9 @@ def main() -> None:
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
         results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
-                                               args.variants, args.sub_builds))
-    lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts",
+                                               args.variants, args.sub_builds, args.layout))
+    lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts"
+             + (f"; batched engines with layout {args.layout}" if args.layout else ""),
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]
     for pr in results["presets"]:

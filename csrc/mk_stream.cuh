@@ -138,7 +138,7 @@ MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 
 #if MK_MMA
 // d += a (16 x 16 weights, A fragment) * b (16 k x 8 slots, B fragment), fp32 accumulators.
 MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
 }

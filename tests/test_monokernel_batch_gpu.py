@@ -31,14 +31,18 @@ def engines(request, tmp_path_factory):
     pytest.importorskip("cupy")
     from replicas.checkpoint import make_checkpoint
     from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_batch import BATCH_ONLY_OPTIONS
     from replicas.monokernel_batched import BatchedMonokernelEngine
 
     from tests.test_monokernel_gpu import _layout_from_env
 
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
-    one = MonokernelEngine.from_pretrained(path, max_context=1024)
-    # MK_BATCH_TEST_LAYOUT=ao_slots=1: the batch build under test gets these layout options
+    # MK_BATCH_TEST_LAYOUT=ao_slots=1: the batch build under test gets these layout options; the single
+    # engine (the oracle of each slot's numbers) gets those a single-sequence build takes (e.g. mma=1:
+    # both on tensor cores with bf16 inputs, so slot and single engine still agree to fp32 rounding)
     opts = _layout_from_env(os.environ.get("MK_BATCH_TEST_LAYOUT", ""))
+    one = MonokernelEngine.from_pretrained(path, max_context=1024, layout_options={
+        k: v for k, v in opts.items() if k not in BATCH_ONLY_OPTIONS} or None)
     # MK_BATCH_SUB_BUILDS=1: with the smaller builds for partial occupancy (the 2-request launches use B=2)
     sub = os.environ.get("MK_BATCH_SUB_BUILDS", "0") == "1"
     many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, layout_options=opts,
