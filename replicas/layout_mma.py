@@ -159,3 +159,9 @@ def run_units(flat: np.ndarray, img: np.ndarray, batch: int, chunk0, n_units: in
                         tile[g + dr, 2 * q + dk + e] = a[:, 2 * j + e]
                 out[h, v] += (tile @ bt)[:, :batch]
     return out if two else out[0]
+
+
+def tile_row_source(r: int, b: int) -> tuple[int, int]:
+    """(lane, register) holding row r, slot b of a 16 x 8 mma accumulator tile: what csrc/mk_stream.cuh
+    tile_row shuffles lane r < 16 from (c0, c1: row g = lane >> 2, cols 2t, 2t+1; c2, c3: row g + 8)."""
+    return 4 * (r & 7) + (b >> 1), (2 if r >= 8 else 0) + (b & 1)

@@ -178,3 +178,36 @@ def test_mma_kernel_compiles_for_sm90a(preset, batch, tmp_path):
     r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "mk.cubin").stat().st_size > 0
+
+
+def test_tile_row_gathers_each_row_of_the_accumulator_fragment():
+    """The C fragment of mma.m16n8k16 (PTX ISA): lane l = 4g + t holds c0 = (row g, col 2t), c1 = (g, 2t+1),
+    c2 = (g+8, 2t), c3 = (g+8, 2t+1). tile_row's source for (row r, slot b) must be exactly that element."""
+    rng = np.random.default_rng(9)
+    tile = rng.standard_normal((16, 8))
+    regs = np.zeros((32, 4))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        regs[lane] = tile[g, 2 * t], tile[g, 2 * t + 1], tile[g + 8, 2 * t], tile[g + 8, 2 * t + 1]
+    for r in range(16):
+        for b in range(8):
+            lane, reg = layout_mma.tile_row_source(r, b)
+            assert regs[lane, reg] == tile[r, b], (r, b)
+
+
+def test_the_prefill_on_an_mma_build_reads_its_plain_copies(packed_tiny):
+    """replicas/monokernel_prefill.py (numpy path) on the mma build's weights: the same hidden state,
+    logits and KV rows as on the plain fused layout, bit for bit (it must not read the re-tiled matrices)."""
+    from replicas.monokernel_prefill import Prefill
+    from tests.test_monokernel_sessions_cpu import numpy_model
+
+    cfg, tensors = packed_tiny
+    ids = np.random.default_rng(4).integers(0, cfg.vocab_size, 23).tolist()
+    runs = []
+    for lay in (KernelLayout.from_config(cfg, 512, **FUSED), mma_layout()):
+        m = numpy_model(cfg, pack_weights(np, lay, cfg, tensors))
+        x, logits = Prefill(m, np).run(ids, all_logits=True)
+        runs.append((x, logits, m.k_cache.copy(), m.v_cache.copy()))
+    for a, b in zip(*runs):
+        assert np.array_equal(a, b)
+    assert np.abs(runs[0][1]).max() > 0 and runs[0][2][:, :, :len(ids)].any()  # real values, not zeros
