@@ -77,7 +77,9 @@ class BatchGpuModel(GpuModel):
 
         cp = self.cp
         with cp.cuda.Device(device):
-            single_opts = {k: v for k, v in (layout_options or {}).items() if k not in BATCH_ONLY_OPTIONS}
+            # (num_sms, if given as a layout option, is the grid every build shares: self.layout.num_sms)
+            other = {k: v for k, v in (layout_options or {}).items() if k != "num_sms"}
+            single_opts = {k: v for k, v in other.items() if k not in BATCH_ONLY_OPTIONS}
             self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                           **engine_options(config, single_opts))
             assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
@@ -91,7 +93,7 @@ class BatchGpuModel(GpuModel):
             for n in (2, 4) if sub_builds else ():
                 if n < self.batch:
                     lay = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
-                                                   **engine_options(config, {**(layout_options or {}), "batch": n}))
+                                                   **engine_options(config, {**other, "batch": n}))
                     assert lay.packed_shapes() == self.layout.packed_shapes(), "one packing for every build"
                     self.builds[n] = (lay, load_module(lay),
                                       {k: cp.zeros(m, cp.float32) for k, m in lay.buffer_sizes().items()})

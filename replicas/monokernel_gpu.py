@@ -81,6 +81,18 @@ class MappedInts:
             pass
 
 
+def grid_option(layout_options: dict | None, num_sms: int | None) -> tuple[dict | None, int | None]:
+    """num_sms may also come as a layout option (bench A/Bs: `--ab num_sms=124`, a grid that leaves SMs
+    free): returns (the other options, the grid asked for)."""
+    if not layout_options or "num_sms" not in layout_options:
+        return layout_options, num_sms
+    rest = {k: v for k, v in layout_options.items() if k != "num_sms"}
+    grid = layout_options["num_sms"]
+    if num_sms is not None and num_sms != grid:
+        raise ValueError(f"num_sms={num_sms} and layout option num_sms={grid} disagree; give one")
+    return rest, grid
+
+
 def grid_blocks(device_sms: int, num_sms: int | None) -> int:
     """The kernel's grid (one block per SM): every SM of the device, or `num_sms` of them."""
     if num_sms is None:
@@ -100,6 +112,7 @@ class GpuModel:
         ranks of monokernel_tp's one-GPU emulation). cooperative=False: ordinary launches (the
         emulation's concurrent grids rely on ordinary concurrent-kernel scheduling)."""
         cp = import_cupy()
+        layout_options, num_sms = grid_option(layout_options, num_sms)
         self.cp, self.config, self.device = cp, config, device
         self.max_context = int(max_context or min(config.max_context, 8192))
         with cp.cuda.Device(device):

@@ -232,6 +232,17 @@ def test_grid_override_and_emulated_grid_sizes():
     assert [emulated_sms(132, n) for n in (2, 4, 8)] == [66, 33, 16]  # H200: N grids side by side fit
 
 
+def test_the_grid_may_come_as_a_layout_option():
+    """bench A/Bs give `num_sms=124` (a grid leaving SMs free) like any layout option."""
+    from replicas.monokernel_gpu import grid_option
+
+    assert grid_option(None, None) == (None, None) and grid_option({"mma": True}, 66) == ({"mma": True}, 66)
+    assert grid_option({"num_sms": 124, "mma": True}, None) == ({"mma": True}, 124)
+    assert grid_option({"num_sms": 124}, 124) == ({}, 124)
+    with pytest.raises(ValueError, match="num_sms=66 and layout option num_sms=124 disagree"):
+        grid_option({"num_sms": 124}, 66)
+
+
 class _Log(list):
     """What the stand-in GPU saw, in order: ("prep", rank, defer), ("sync", rank), ("start", rank), ..."""
 
