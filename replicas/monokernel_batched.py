@@ -20,8 +20,9 @@ forward_logits runs on slot 0.
 
 Agent sessions (`generate(..., session_id=...)`) as in MonokernelEngine, per slot
 (replicas/monokernel_batched_sessions.py): a session's next turn is admitted with the stored KV
-rows copied into its slot and only the new suffix prefilled; when its slot ends, the valid rows are
-kept once the launch has yielded (the other slots resume in the next launch). Not yet run on a GPU.
+rows copied into its slot and only the new suffix prefilled; when its slot ends, the request ends at
+once and the valid rows are copied when that launch ends (by itself, or at the next join's yield,
+which the session's next turn is): no extra relaunch for the other slots. Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -272,8 +273,7 @@ class BatchedMonokernelEngine:
                     self._running = False
                     self._admitting = 0
                     self._cv.notify_all()
-                for r, end in self._sessions.abandon():  # finished before the failure: their KV is not kept
-                    r.out.put(end)
+                self._sessions.abandon()  # slots that finished before the failure: their KV is not kept
                 for r in failed:
                     self._sessions.fail(r)
                     r.out.put(("err", e))
@@ -333,13 +333,12 @@ class BatchedMonokernelEngine:
             self._drain(final=not running)
             if not running:
                 break
-            if not yielded and (self._join_waiting() or self._sessions.pending or (not single and self._lone_left())):
-                gpu.request_yield()  # admit the newcomer, keep a finished session's KV, or go to the single build
+            if not yielded and (self._join_waiting() or (not single and self._lone_left())):
+                gpu.request_yield()  # admit the newcomer, or go to the single build
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()
-        for r, end in self._sessions.store():  # the KV of sessions' slots that ended in this launch
-            r.out.put(end)
+        self._sessions.store()  # the KV of sessions' slots that ended in this launch (before any admission)
         for b, r in enumerate(self._slots):
             if r is not None:
                 self._x[b] = gpu.hidden_state(b, single)
@@ -355,7 +354,7 @@ class BatchedMonokernelEngine:
 
     def _drain(self, final: bool) -> None:
         """Send each slot's new tokens, forward cancels, free finished slots."""
-        gpu = self.gpu
+        gpu, ends = self.gpu, []
         for b, r in enumerate(self._slots):
             if r is None:
                 continue
@@ -374,10 +373,17 @@ class BatchedMonokernelEngine:
                 if r.cancel.is_set():
                     status = FinishReason.CANCELLED
                 stop = int(ctrl[L.CTRL_STOP_TOKEN]) if status is FinishReason.STOP else None
-                end = ("end", status, stop)
-                deferred = self._sessions.ended(r, b, status, count, end)  # its end waits for its KV copy
+                self._sessions.ended(r, b, status, count)  # its KV, if kept, is copied when the launch ends
                 with self._cv:  # free the slot first: a caller that saw the end may reuse it at once
                     self._slots[b] = None
                     self._cv.notify_all()
-                if not deferred:
-                    r.out.put(end)
+                ends.append((r, ("end", status, stop)))
+        try:
+            if self._sessions.pending and not any(self._slots):
+                # the last slot ended: the launch is ending anyway, so the session's entry is stored
+                # before its end is sent (session_stats() is then current when the caller sees the end)
+                gpu.synchronize()
+                self._sessions.store()
+        finally:  # (a GPU failure in the copy: these requests still end; the scheduler fails the rest)
+            for r, end in ends:
+                r.out.put(end)

@@ -7,11 +7,12 @@ ends by STOP or LENGTH, the rows the kernel left valid are copied into GPU array
 length and kept as the session's entry; a cancel or an error drops the entry (which rows are valid
 is then unknown). A second request of a session that is running gets a fresh prefill.
 
-A slot usually ends while the other slots keep decoding in the same launch. Its KV is copied only
-after that launch has ended (no device allocation while the persistent kernel holds the GPU; the
-scheduler thread must stay free to stream every slot's tokens): the ending slot asks the launch to
-yield at its next step boundary, as a join does, and its generation ends once the copy is queued on
-the engine's stream (ahead of any later prefill into that slot).
+A slot usually ends while the other slots keep decoding in the same launch. Its generation ends at
+once; its KV is copied only after that launch has ended (no device allocation while the persistent
+kernel holds the GPU), ahead of any admission: the kernel no longer touches a finished slot, and
+nothing is prefilled into it before the launch ends. The session's next turn is such an admission
+(its join makes the launch yield), so it always finds the entry. Until then the entry is not
+visible in session_stats(); a slot that was the launch's last is stored before its end is sent.
 
 Tested on the CPU (tests/test_monokernel_batched_sessions_cpu.py); not yet run on a GPU
 (tests/test_monokernel_batch_gpu.py::test_a_sessions_turn_two_equals_a_fresh_request).
@@ -35,7 +36,6 @@ class _Keep:
     slot: int
     n: int  # valid KV rows
     tokens: list[int]  # the ids those rows hold
-    end: tuple  # the ("end", reason, stop) message its generation gets after the copy
 
 
 class SlotSessions:
@@ -59,9 +59,9 @@ class SlotSessions:
             view.v_cache[:, :, :r] = lease.kv.v[:, :, :r]
         return r
 
-    def ended(self, req, b: int, reason: FinishReason, count: int, end: tuple) -> bool:
-        """Slot b finished with `count` tokens emitted. True: its KV is to be kept and its `end` message
-        waits for `store()` (the caller asks the launch to yield); False: send `end` now.
+    def ended(self, req, b: int, reason: FinishReason, count: int) -> bool:
+        """Slot b finished with `count` tokens emitted. True: its KV is to be kept, by `store()` once the
+        launch has ended (before anything is admitted into slot b); False: nothing to keep.
 
         The kernel feeds a token through the layers (writing its K/V) only at a step that did not end
         the generation: on LENGTH the last emitted token never was; on STOP every emitted token was
@@ -79,13 +79,13 @@ class SlotSessions:
             self.cache.discard(lease)  # would be evicted at once: skip the copy
             return False
         fed = [int(t) for t in self.gpu.slot_tokens(b)[:n - len(req.ids)]]
-        self.pending.append(_Keep(req, b, n, req.ids + fed, end))
+        self.pending.append(_Keep(req, b, n, req.ids + fed))
         return True
 
-    def store(self) -> list[tuple[Any, tuple]]:
+    def store(self) -> int:
         """After the launch has ended: copy each pending slot's valid rows into the session's entry.
-        Returns (request, end message) of each, to be sent now."""
-        done, gpu = [], self.gpu
+        Returns how many were pending."""
+        done, gpu = 0, self.gpu
         while self.pending:
             keep = self.pending[0]
             view = gpu.slot_view(keep.slot)
@@ -97,17 +97,14 @@ class SlotSessions:
             else:
                 self.cache.release(keep.req.lease, kv, keep.tokens, kv.nbytes)
             self.pending.pop(0)
-            done.append((keep.req, keep.end))
+            done += 1
         return done
 
-    def abandon(self) -> list[tuple[Any, tuple]]:
-        """A GPU failure: drop the pending slots' entries; returns (request, end message) of each (their
-        tokens were all streamed before the failure)."""
-        done = [(k.req, k.end) for k in self.pending]
+    def abandon(self) -> None:
+        """A GPU failure: drop the pending slots' entries (their requests ended before the failure)."""
         for k in self.pending:
             self.cache.discard(k.req.lease)
         self.pending.clear()
-        return done
 
     def fail(self, req) -> None:
         """The request ended with an error: which rows are valid is unknown, drop the session's entry."""
