@@ -304,7 +304,7 @@ MK_DEVICE void combine_attention(const MkParams& p, int pos, float* s_act) {
 #pragma unroll 4
         for (int s = 0; s < nsplit; s++) acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
       }
-      s_act[xpos(i)] = acc;
+      act_store(s_act, 0, i, acc);
     }
   }
   __syncthreads();

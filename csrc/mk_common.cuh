@@ -1,6 +1,8 @@
 // Small device helpers shared by every phase: bf16, async copies, reductions, grid barrier, RNG.
 #pragma once
+#ifndef MK_EMU  // (MK_EMU: the CPU emulation, csrc/emu/cuda_on_cpu.h, defines the built-ins; tests only)
 #include <cuda_bf16.h>
+#endif
 #ifdef __CUDACC_RTC__
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
@@ -56,11 +58,23 @@ MK_DEVICE float dot8(uint4 w, const float* x) {
 
 // ---- cp.async (LDGSTS): 16 bytes global -> shared, L2 only; one commit group per chunk ----
 MK_DEVICE void cp_async16(void* smem, const void* gmem) {
+#ifdef MK_EMU
+  mk_emu_cp_async16(smem, gmem);
+#else
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#endif
 }
 // The same with an L2 eviction policy (weights are streamed once per step: evict them first so
 // they do not push out what was prefetched into L2).
+#ifdef MK_EMU  // the copy happens at once, so the waits never wait
+MK_DEVICE unsigned long long l2_evict_first_policy() { return 0; }
+MK_DEVICE void cp_async16_hint(void* smem, const void* gmem, unsigned long long) { mk_emu_cp_async16(smem, gmem); }
+MK_DEVICE void cp_async_commit() {}
+template <int N>
+MK_DEVICE void cp_async_wait() {}
+MK_DEVICE void cp_async_wait_all() {}
+#else
 MK_DEVICE unsigned long long l2_evict_first_policy() {
   unsigned long long pol;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
@@ -74,6 +88,7 @@ MK_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "
 template <int N>
 MK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 MK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+#endif
 
 // ---- reductions ----
 MK_DEVICE float warp_sum(float v) {
@@ -112,9 +127,13 @@ MK_DEVICE void warp_argmax(float& v, int& i) {
 // ---- grid barrier: one monotonically growing arrival counter (no reset on the critical path);
 // barrier number e completes when the counter reaches e * gridDim.x. ----
 MK_DEVICE unsigned ld_acquire(const unsigned* p) {
+#ifdef MK_EMU
+  return mk_emu_ld_acquire(p);
+#else
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
+#endif
 }
 // Spin until *p reaches target (wrapping compare). Polling with relaxed loads and one fence after
 // (as cooperative groups' grid sync does) measured 2% slower on llama-3.2-1b than an acquire per poll.

@@ -138,9 +138,13 @@ MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 
 #if MK_MMA
 // d += a (16 x 16 weights, A fragment) * b (16 k x 8 slots, B fragment), fp32 accumulators.
 MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
+#ifdef MK_EMU
+  mk_emu_mma_16816(d, a, b);
+#else
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+#endif
 }
 
 // Lane r < 16 collects row r of a 16 x 8 accumulator tile for every slot: row r's values sit in lanes
@@ -275,6 +279,8 @@ MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer,
   if (off < n) {
     const unsigned size = (unsigned)min(piece, n - off);
     const char* src = reinterpret_cast<const char*>(base + u0 * len) + off;
+#ifndef MK_EMU  // (a hint: nothing to emulate)
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(size) : "memory");
+#endif
   }
 }

@@ -36,6 +36,11 @@ constexpr int kSumO = MK_TP, kSumDN = MK_TP;
 #define MK_O_SRC(p) ((p).tp_local + MK_TP_OFF_RECV_O)
 #define MK_DN_SRC(p) ((p).tp_local + MK_TP_OFF_RECV_DN)
 
+#ifdef MK_EMU  // (one process: the peers' words are plain memory)
+MK_DEVICE unsigned ld_acquire_sys(const unsigned* p) { return mk_emu_ld_acquire(p); }
+MK_DEVICE void st_release_sys(unsigned* p, unsigned v) { *(volatile unsigned*)p = v; }
+MK_DEVICE void red_release_sys_add(unsigned* p, unsigned v) { *p += v; }
+#else
 MK_DEVICE unsigned ld_acquire_sys(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -47,6 +52,7 @@ MK_DEVICE void st_release_sys(unsigned* p, unsigned v) {
 MK_DEVICE void red_release_sys_add(unsigned* p, unsigned v) {
   asm volatile("red.release.sys.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+#endif
 MK_DEVICE unsigned* tp_words(float* region, int off) { return reinterpret_cast<unsigned*>(region + off); }
 
 // The end of a bulk exchange: this block's stores are out; count it at every GPU, then wait

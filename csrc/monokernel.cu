@@ -55,7 +55,7 @@ MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const f
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      s_act[xpos(i)] = i < MK_H ? v[k] * r * w[i] : 0.f;
+      act_store(s_act, 0, i, i < MK_H ? v[k] * r * w[i] : 0.f);
     }
   }
   __syncthreads();
@@ -67,15 +67,19 @@ MK_DEVICE void stage_vector(const float* src, float* s_act) {
 #pragma unroll
   for (int k = 0; k < (NPAD + MK_THREADS - 1) / MK_THREADS; k++) {
     const int i = threadIdx.x + k * MK_THREADS;
-    if (i < NPAD) s_act[xpos(i)] = i < N ? __ldcg(src + i) : 0.f;
+    if (i < NPAD) act_store(s_act, 0, i, i < N ? __ldcg(src + i) : 0.f);
   }
   __syncthreads();
 }
 
 MK_DEVICE unsigned long long global_ns() {
+#ifdef MK_EMU
+  return mk_emu_globaltimer();
+#else
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkParams* __restrict__ pp) {

@@ -1,0 +1,234 @@
+// The CUDA built-ins the monokernel uses, emulated on the CPU (replicas/monokernel_emu.py prepends this
+// to the assembled kernel source and builds it with g++ -DMK_EMU). Tests only: it runs the real kernel
+// code, every phase and index, on a tiny model with a small grid, so layout and indexing bugs show up
+// without a GPU. Not a performance model.
+//
+// Every CUDA thread is a fiber (own stack, a 6-register context switch); one OS thread runs them all,
+// cooperatively, so atomics are plain read-modify-writes and there are no data races. A fiber gives
+// up the CPU only at a synchronisation point: __syncthreads, __syncwarp, a shuffle, an mma, or a spin
+// load (ld_acquire). Warp-collective operations are barriers over the warp's 32 fibers with the
+// values deposited in a per-warp buffer (double-buffered by round, so a lane can start the next
+// collective while slower lanes still read this one). cp.async copies at once (its waits then
+// never wait). Blocks share nothing but global memory, as on the GPU.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <memory>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(a, b)
+#define __align__(n) alignas(n)
+
+struct uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct dim3u { unsigned x, y, z; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+namespace mk_emu {
+struct Fiber {
+  void* sp = nullptr;  // saved stack pointer while switched out
+  dim3u tid{0, 0, 0}, bid{0, 0, 0};
+  bool done = false;
+  std::unique_ptr<unsigned char[]> stack;  // uninitialised: pages are touched only as used
+};
+struct Warp {  // one warp's collective state
+  unsigned arrived = 0, round = 0;
+  unsigned long long vals[2][32][10];  // per round parity: each lane's deposited words
+};
+struct Block {
+  unsigned arrived = 0, round = 0;  // __syncthreads
+  std::vector<Warp> warps;
+  std::vector<unsigned char> smem;
+};
+inline Fiber* cur = nullptr;
+inline void* sched_sp = nullptr;
+inline std::vector<Block>* blocks = nullptr;
+inline dim3u grid{1, 1, 1}, block{1, 1, 1};
+inline unsigned long long clock_ns = 0;
+}  // namespace mk_emu
+
+// switch stacks: save the callee-saved registers on this stack, store rsp in *from, load `to`, pop, ret
+extern "C" void mk_emu_switch(void** from, void* to);
+__asm__(
+    ".text\n.globl mk_emu_switch\n.type mk_emu_switch,@function\nmk_emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n");
+
+namespace mk_emu {
+inline void yield() { mk_emu_switch(&cur->sp, sched_sp); }
+inline Block& my_block() { return (*blocks)[cur->bid.x]; }
+inline Warp& my_warp() { return my_block().warps[cur->tid.x >> 5]; }
+inline unsigned lane() { return cur->tid.x & 31; }
+inline unsigned char* block_smem() { return my_block().smem.data(); }
+
+// Deposit n words, wait for the whole warp, return the round's buffer (valid until the next-but-one collective).
+inline unsigned long long (*warp_exchange(const unsigned long long* words, int n))[10] {
+  Warp& w = my_warp();
+  const unsigned r = w.round;
+  memcpy(w.vals[r & 1][lane()], words, sizeof(unsigned long long) * n);
+  if (++w.arrived == 32) {
+    w.arrived = 0;
+    w.round++;
+  } else {
+    while (w.round == r) yield();
+  }
+  return w.vals[r & 1];
+}
+}  // namespace mk_emu
+
+#define threadIdx (mk_emu::cur->tid)
+#define blockIdx (mk_emu::cur->bid)
+#define blockDim (mk_emu::block)
+#define gridDim (mk_emu::grid)
+
+inline void __syncthreads() {
+  mk_emu::Block& b = mk_emu::my_block();
+  const unsigned r = b.round;
+  if (++b.arrived == mk_emu::block.x) {
+    b.arrived = 0;
+    b.round++;
+  } else {
+    while (b.round == r) mk_emu::yield();
+  }
+}
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  unsigned long long none = 0;
+  mk_emu::warp_exchange(&none, 1);
+}
+template <class T>
+inline T mk_emu_shfl(T v, unsigned src) {
+  static_assert(sizeof(T) <= 8, "shuffle of a word");
+  unsigned long long w = 0;
+  memcpy(&w, &v, sizeof(T));
+  auto vals = mk_emu::warp_exchange(&w, 1);
+  T out;
+  memcpy(&out, &vals[src & 31][0], sizeof(T));
+  return out;
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) { return mk_emu_shfl(v, (unsigned)src); }
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) { return mk_emu_shfl(v, mk_emu::lane() ^ (unsigned)mask); }
+
+inline void __threadfence() {}
+inline void __threadfence_system() {}
+template <class T>
+inline T __ldcg(const T* p) { return *p; }
+template <class T>
+inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __ll2float_rn(long long v) { return (float)v; }
+inline long long __float2ll_rn(float v) { return llrintf(v); }
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
+// position of the offset-th set bit of mask at or above base (offset >= 1), else 0xffffffff
+inline unsigned __fns(unsigned mask, unsigned base, int offset) {
+  for (unsigned i = base; i < 32; i++)
+    if (((mask >> i) & 1u) && --offset == 0) return i;
+  return 0xffffffffu;
+}
+template <class A, class B>
+inline auto min(A a, B b) -> decltype(a + b) { return a < b ? a : b; }
+template <class A, class B>
+inline auto max(A a, B b) -> decltype(a + b) { return a < b ? b : a; }
+
+struct __nv_bfloat16 { uint16_t bits; };
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {  // round to nearest even (NaN kept quiet)
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {(uint16_t)((u >> 16) | 0x40u)};
+  return {(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+
+// ---- the operations the kernel headers implement with PTX (their MK_EMU branches call these) ----
+inline void mk_emu_cp_async16(void* smem, const void* gmem) { memcpy(smem, gmem, 16); }
+inline unsigned mk_emu_ld_acquire(const unsigned* p) {
+  mk_emu::yield();  // a spin load: let the fiber being waited for run
+  return *(const volatile unsigned*)p;
+}
+inline unsigned long long mk_emu_globaltimer() { return mk_emu::clock_ns += 1000; }
+// mma.m16n8k16 bf16 -> fp32 for the warp: every lane deposits its fragments, each computes its own
+// four outputs from the whole A (16 x 16) and B (16 x 8) tiles (PTX ISA fragment layouts), in fp32.
+inline void mk_emu_mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
+  unsigned long long w[6] = {a.x, a.y, a.z, a.w, b.x, b.y};
+  auto vals = mk_emu::warp_exchange(w, 6);
+  auto bf = [](unsigned long long word, int hi) { return __uint_as_float(((unsigned)(word >> (16 * hi)) & 0xffffu) << 16); };
+  auto A = [&](int row, int k) {  // lane 4(row & 7) + (k & 7) / 2, register (row >= 8) + 2 (k >= 8)
+    return bf(vals[4 * (row & 7) + ((k & 7) >> 1)][(row >> 3) + 2 * (k >> 3)], k & 1);
+  };
+  auto B = [&](int k, int col) { return bf(vals[4 * col + ((k & 7) >> 1)][4 + (k >> 3)], k & 1); };
+  const int g = (int)mk_emu::lane() >> 2, t = (int)mk_emu::lane() & 3;
+  for (int j = 0; j < 4; j++) {
+    const int row = g + 8 * (j >> 1), col = 2 * t + (j & 1);
+    float s = d[j];
+    for (int k = 0; k < 16; k++) s = fmaf(A(row, k), B(k, col), s);
+    d[j] = s;
+  }
+}
+
+namespace mk_emu {
+using Kernel = void (*)(const void*);
+inline Kernel entry = nullptr;
+inline const void* entry_arg = nullptr;
+extern "C" inline void mk_emu_trampoline() {
+  entry(entry_arg);
+  cur->done = true;
+  mk_emu_switch(&cur->sp, sched_sp);
+}
+// Run kernel(arg) on grid x block threads with `smem_bytes` of dynamic shared memory per block.
+inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthreads, size_t smem_bytes,
+               size_t stack_bytes, unsigned long long max_switches) {
+  grid = {nblocks, 1, 1};
+  block = {nthreads, 1, 1};
+  entry = kernel;
+  entry_arg = arg;
+  std::vector<Block> bl(nblocks);
+  for (auto& b : bl) {
+    b.warps.resize((nthreads + 31) / 32);
+    b.smem.assign(smem_bytes + 16, 0);
+  }
+  blocks = &bl;
+  std::vector<Fiber> fibers(nblocks * nthreads);
+  for (unsigned i = 0; i < fibers.size(); i++) {
+    Fiber& f = fibers[i];
+    f.bid = {i / nthreads, 0, 0};
+    f.tid = {i % nthreads, 0, 0};
+    f.stack.reset(new unsigned char[stack_bytes]);
+    uintptr_t top = ((uintptr_t)(f.stack.get() + stack_bytes)) & ~(uintptr_t)15;
+    void** sp = (void**)top;
+    *--sp = nullptr;                          // (alignment: the trampoline is entered with rsp = 8 mod 16)
+    *--sp = (void*)&mk_emu_trampoline;        // `ret` of the first switch lands here
+    for (int r = 0; r < 6; r++) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
+    f.sp = sp;
+  }
+  unsigned long long switches = 0;
+  size_t left = fibers.size();
+  while (left) {
+    for (auto& f : fibers) {
+      if (f.done) continue;
+      cur = &f;
+      mk_emu_switch(&sched_sp, f.sp);
+      if (f.done) left--;
+      if (++switches > max_switches) return 1;  // deadlock or a runaway kernel
+    }
+  }
+  cur = nullptr;
+  return 0;
+}
+}  // namespace mk_emu

@@ -1,0 +1,172 @@
+"""The monokernel's CUDA source run on the CPU (tests only): csrc/emu/cuda_on_cpu.h emulates the CUDA
+built-ins it uses, g++ builds the assembled kernel with -DMK_EMU and the layout's -D flags, and
+`EmuModel` fills the same buffers and parameter block as `GpuModel.launch` with numpy arrays.
+
+    m = EmuModel(config, tensors, layout_options={"mma": True})
+    logits = m.forward_logits(ids)          # [len, V]: prefill (numpy) for 16 positions, the kernel after
+
+Every thread of the grid is a fiber on one OS thread, so keep models tiny and grids small (num_sms=4:
+4 blocks of 512 threads). It checks what the kernel computes, its phases, indices, barriers and
+hand-offs between blocks; not its speed, its memory ordering or its timing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.layout import KernelLayout
+from replicas.layout_tuned import engine_options
+from replicas.model import ModelConfig
+from replicas.monokernel_build import CSRC, kernel_source
+from replicas.monokernel_gpu import inv_temperature, param_block
+from replicas.monokernel_weights import pack_weights, rope_tables
+
+PRELUDE = CSRC / "emu" / "cuda_on_cpu.h"
+SHARED_DECL = "extern __shared__ __align__(16) unsigned char smem[];"
+ENTRY = """
+extern "C" int mk_emu_launch(const void* params, unsigned blocks, unsigned threads, unsigned long long smem,
+                             unsigned long long stack, unsigned long long max_switches) {
+  return mk_emu::run([](const void* p) { monokernel(static_cast<const MkParams*>(p)); }, params, blocks, threads,
+                     smem, stack, max_switches);
+}
+"""
+STACK_BYTES = 256 << 10
+CACHE = Path(os.environ.get("MK_EMU_CACHE", Path(tempfile.gettempdir()) / "monoserve-emu"))
+
+
+class EmuUnavailable(RuntimeError):
+    """No C++ compiler for the CPU emulation (g++)."""
+
+
+def emu_source() -> str:
+    src = kernel_source()
+    if SHARED_DECL not in src:
+        raise RuntimeError(f"csrc/monokernel.cu no longer declares `{SHARED_DECL}`: update monokernel_emu.py")
+    return PRELUDE.read_text() + src.replace(SHARED_DECL, "unsigned char* smem = mk_emu::block_smem();") + ENTRY
+
+
+def build(layout: KernelLayout) -> ctypes.CDLL:
+    """Compile (or reuse from CACHE) the emulated kernel of `layout`."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        raise EmuUnavailable("the monokernel CPU emulation needs g++ (or $CXX)")
+    src = emu_source()
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DMK_EMU", *layout.compile_flags()]
+    key = hashlib.sha256((src + "\0".join(cmd)).encode()).hexdigest()[:20]
+    lib = CACHE / f"mk_emu_{key}.so"
+    if not lib.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as d:
+            cu = Path(d) / "mk_emu.cpp"
+            cu.write_text(src)
+            tmp = Path(d) / "mk_emu.so"
+            r = subprocess.run([*cmd, "-x", "c++", str(cu), "-o", str(tmp)], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"building the emulated monokernel failed:\n{r.stderr[-4000:]}")
+            shutil.move(str(tmp), lib)
+    so = ctypes.CDLL(str(lib))
+    so.mk_emu_launch.restype = ctypes.c_int
+    so.mk_emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
+                                 ctypes.c_ulonglong, ctypes.c_ulonglong]
+    return so
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+class EmuModel:
+    """GpuModel's buffers and single-sequence launch, in host memory, run by the emulated kernel."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], max_context: int = 256,
+                 layout_options: dict | None = None, num_sms: int = 4):
+        c = self.config = config
+        self.max_context = int(max_context)
+        lay = self.layout = KernelLayout.from_config(config, self.max_context, num_sms=num_sms,
+                                                     **engine_options(config, layout_options))
+        self.lib = build(lay)
+        self.weights = pack_weights(np, lay, c, tensors)
+        self.rope_cos, self.rope_sin = rope_tables(c, self.max_context)
+        kv_shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_context, c.head_dim)
+        self.k_cache = np.zeros(kv_shape, np.uint16)  # [L][kv_heads][max_ctx][D] bf16 bits
+        self.v_cache = np.zeros(kv_shape, np.uint16)
+        self.work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
+        self.best_idx = np.zeros(lay.total_warps, np.int32)
+        self.attn_cnt = np.zeros(c.num_key_value_heads, np.uint32)
+        self.qkv_done = np.zeros(c.num_key_value_heads, np.uint32)
+        self.control = np.zeros(4, np.uint32)  # bar_count, bar_flag, cancel_step, shared_token
+        self.tokens = np.zeros(self.max_context, np.int32)
+        self.forced = np.zeros(self.max_context, np.int32)
+        self.stop_ids = np.zeros(L.MAX_STOP_IDS, np.int32)
+        self.logits1 = np.zeros(c.vocab_size, np.float32)
+        self.host_tokens = np.zeros(self.max_context, np.int32)
+        self.host_ctrl = np.zeros(L.CTRL_WORDS, np.int32)
+
+    def launch(self, x_last: np.ndarray, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None,
+               logits: np.ndarray | None = None, max_switches: int = 10**10) -> None:
+        """GpuModel.launch, run to completion (tokens in host_tokens, status in host_ctrl)."""
+        lay, w = self.layout, self.work
+        w["xbuf"][:] = 0
+        w["xbuf"][:self.config.hidden_size] = x_last
+        w["dn_part"][:] = 0
+        for a in (self.attn_cnt, self.qkv_done, self.control, self.host_ctrl, self.stop_ids):
+            a[:] = 0
+        self.stop_ids[:len(stop_ids)] = list(stop_ids)
+        if forced is not None:
+            self.forced[:len(forced)] = list(forced)
+        ctl = _ptr(self.control)
+        out = logits if logits is not None else self.logits1
+        ptrs = {
+            **{k: _ptr(v) for k, v in self.weights.items()},
+            "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin),
+            "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache),
+            **{k: _ptr(v) for k, v in w.items()},
+            "attn_cnt": _ptr(self.attn_cnt), "qkv_done": _ptr(self.qkv_done), "best_idx": _ptr(self.best_idx),
+            "logits": _ptr(out), "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8,
+            "shared_token": ctl + 12, "tokens": _ptr(self.tokens), "forced": _ptr(self.forced),
+            "stop_ids": _ptr(self.stop_ids), "host_tokens": _ptr(self.host_tokens), "host_ctrl": _ptr(self.host_ctrl),
+            "profile": 0, "host_kctl": 0, "kctl": 0,
+        }
+        scalars = {
+            "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
+            "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
+            "inv_temperature": inv_temperature(temperature), "top_p": top_p,
+            "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
+        }
+        params = param_block(lay.param_fields(), ptrs, scalars)
+        rc = self.lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches)
+        if rc:
+            raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False):
+        from replicas.monokernel_prefill import Prefill
+        return Prefill(self, np).run(list(ids), all_logits=all_logits)
+
+    def forward_logits(self, ids: Sequence[int], prefill_len: int = 16) -> np.ndarray:
+        """MonokernelEngine.forward_logits: [len, V], positions >= prefill_len from the kernel."""
+        p = max(1, min(prefill_len, len(ids)))
+        x_last, head = self.prefill(ids[:p], all_logits=True)
+        rows = [head]
+        if len(ids) > p:
+            steps = len(ids) - p + 1
+            out = np.zeros((steps, self.config.vocab_size), np.float32)
+            self.launch(x_last, p, steps, forced=list(ids[p:]), logits=out)
+            rows.append(out[1:])
+        return np.concatenate(rows).astype(np.float32, copy=False)
+
+    def generate_greedy(self, ids: Sequence[int], n: int) -> list[int]:
+        x_last, _ = self.prefill(ids)
+        self.launch(x_last, len(ids), n)
+        return [int(t) for t in self.host_tokens[:int(self.host_ctrl[L.CTRL_COUNT])]]
