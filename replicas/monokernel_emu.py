@@ -28,7 +28,7 @@ from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
 from replicas.monokernel_build import CSRC, kernel_source
-from replicas.monokernel_gpu import inv_temperature, param_block
+from replicas.monokernel_gpu import inv_temperature, kernel_buffers, param_block
 from replicas.monokernel_weights import pack_weights, rope_tables
 
 PRELUDE = CSRC / "emu" / "cuda_on_cpu.h"
@@ -97,18 +97,7 @@ class EmuModel:
         self.lib = build(lay)
         self.weights = pack_weights(np, lay, c, tensors)
         self.rope_cos, self.rope_sin = rope_tables(c, self.max_context)
-        kv_shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_context, c.head_dim)
-        self.k_cache = np.zeros(kv_shape, np.uint16)  # [L][kv_heads][max_ctx][D] bf16 bits
-        self.v_cache = np.zeros(kv_shape, np.uint16)
-        self.work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
-        self.best_idx = np.zeros(lay.total_warps, np.int32)
-        self.attn_cnt = np.zeros(c.num_key_value_heads, np.uint32)
-        self.qkv_done = np.zeros(c.num_key_value_heads, np.uint32)
-        self.control = np.zeros(4, np.uint32)  # bar_count, bar_flag, cancel_step, shared_token
-        self.tokens = np.zeros(self.max_context, np.int32)
-        self.forced = np.zeros(self.max_context, np.int32)
-        self.stop_ids = np.zeros(L.MAX_STOP_IDS, np.int32)
-        self.logits1 = np.zeros(c.vocab_size, np.float32)
+        self.__dict__.update(kernel_buffers(np, lay, c, self.max_context))
         self.host_tokens = np.zeros(self.max_context, np.int32)
         self.host_ctrl = np.zeros(L.CTRL_WORDS, np.int32)
 

@@ -57,6 +57,25 @@ def param_block(fields, ptrs: Mapping[str, int], scalars: Mapping[str, object]) 
     return np.array([ptrs[n] if n in ptrs else field_bits(ct, scalars[n]) for n, ct in fields], np.uint64)
 
 
+def kernel_buffers(xp, lay: KernelLayout, c: ModelConfig, max_context: int) -> dict:
+    """The device buffers a single-sequence launch points the kernel at (xp: cupy, or numpy for the
+    CPU emulation, replicas/monokernel_emu.py), zeroed."""
+    kv_shape = (c.num_hidden_layers, c.num_key_value_heads, max_context, c.head_dim)
+    return {
+        "k_cache": xp.zeros(kv_shape, xp.uint16),  # [L][kv_heads][max_ctx][D] bf16 bits
+        "v_cache": xp.zeros(kv_shape, xp.uint16),
+        "work": {k: xp.zeros(n, xp.float32) for k, n in lay.buffer_sizes().items()},
+        "best_idx": xp.zeros(lay.total_warps, xp.int32),
+        "attn_cnt": xp.zeros(c.num_key_value_heads, xp.uint32),
+        "qkv_done": xp.zeros(c.num_key_value_heads, xp.uint32),
+        "control": xp.zeros(4, xp.uint32),  # bar_count, bar_flag, cancel_step, shared_token
+        "tokens": xp.zeros(max_context, xp.int32),
+        "forced": xp.zeros(max_context, xp.int32),
+        "stop_ids": xp.zeros(L.MAX_STOP_IDS, xp.int32),
+        "logits1": xp.zeros(c.vocab_size, xp.float32),
+    }
+
+
 def inv_temperature(temperature: float) -> float:
     """The kernel's 1/T (greedy launches pass T = 0 and never use it)."""
     return 1.0 / temperature if temperature > 0 else 1.0
@@ -151,18 +170,7 @@ class GpuModel:
                 bar.close()
         cos, sin = rope_tables(c, self.max_context)
         self.rope_cos, self.rope_sin = cp.asarray(cos), cp.asarray(sin)
-        kv_shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_context, c.head_dim)
-        self.k_cache = cp.zeros(kv_shape, cp.uint16)
-        self.v_cache = cp.zeros(kv_shape, cp.uint16)
-        self.work = {k: cp.zeros(n, cp.float32) for k, n in lay.buffer_sizes().items()}
-        self.best_idx = cp.zeros(lay.total_warps, cp.int32)
-        self.attn_cnt = cp.zeros(c.num_key_value_heads, cp.uint32)
-        self.qkv_done = cp.zeros(c.num_key_value_heads, cp.uint32)
-        self.control = cp.zeros(4, cp.uint32)  # bar_count, bar_flag, cancel_step, shared_token
-        self.tokens = cp.zeros(self.max_context, cp.int32)
-        self.forced = cp.zeros(self.max_context, cp.int32)
-        self.stop_ids = cp.zeros(L.MAX_STOP_IDS, cp.int32)
-        self.logits1 = cp.zeros(c.vocab_size, cp.float32)
+        self.__dict__.update(kernel_buffers(cp, lay, c, self.max_context))
         self.host_tokens = MappedInts(cp, self.max_context)
         self.host_ctrl = MappedInts(cp, L.CTRL_WORDS)
         self.params_dev = cp.zeros(len(self.layout.param_fields()), cp.uint64)
