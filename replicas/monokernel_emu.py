@@ -139,6 +139,57 @@ class EmuModel:
         if rc:
             raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
 
+    def forward_logits_slots(self, seqs: Sequence[Sequence[int]], prefill_len: int = 16) -> list[np.ndarray]:
+        """A batch build (layout option batch = B): teacher-forced logits of up to B sequences decoded in one
+        launch, as BatchedMonokernelEngine.forward_logits_slots (slot b <- seqs[b]). [len_b, V] each."""
+        from replicas.monokernel_gpu import field_bits
+
+        lay, c, b_n, ctx = self.layout, self.config, self.layout.batch, self.max_context
+        if b_n < 2 or not 1 <= len(seqs) <= b_n:
+            raise ValueError(f"{len(seqs)} sequences for a build of batch={b_n} (needs a batch layout)")
+        kv = (b_n, c.num_hidden_layers, c.num_key_value_heads, ctx, c.head_dim)
+        k_cache, v_cache = np.zeros(kv, np.uint16), np.zeros(kv, np.uint16)  # [B][L][kv_heads][ctx][D]
+        work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
+        p = min(prefill_len, *(len(q) for q in seqs))
+        steps = max(len(q) for q in seqs) - p + 1
+        table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
+        forced = np.zeros(b_n * ctx, np.int32)
+        heads = []
+        x = work["xbuf"].reshape(2, b_n, lay.hp)
+        for b, q in enumerate(seqs):
+            self.k_cache, self.v_cache = k_cache[b], v_cache[b]  # the prefill writes slot b's cache
+            x_last, head = self.prefill(q[:p], all_logits=True)
+            heads.append(head)
+            x[0, b, :c.hidden_size] = x_last
+            forced[b * ctx:b * ctx + len(q) - p] = q[p:]
+            values = {"start_pos": p, "step0": 0, "max_steps": len(q) - p + 1, "n_stop": 0, "mode": L.MODE_GREEDY,
+                      "top_k": 0, "seed": 0, "inv_temperature": 1.0, "top_p": 1.0, "active": 1}
+            table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+        logits = np.zeros((steps, b_n, c.vocab_size), np.float32)
+        bufs = {n: np.zeros(k, t) for n, k, t in (
+            ("best_idx", b_n * lay.total_warps, np.int32), ("tokens", b_n * ctx, np.int32),
+            ("stop_ids", b_n * L.MAX_STOP_IDS, np.int32), ("cancel", b_n + 1, np.int32),
+            ("shared_token", b_n, np.int32), ("kctl", 4, np.int32), ("host_tokens", b_n * ctx, np.int32),
+            ("host_ctrl", b_n * L.CTRL_WORDS, np.int32), ("host_kctl", 4, np.int32), ("control", 4, np.uint32),
+            ("attn_cnt", c.num_key_value_heads, np.uint32), ("qkv_done", c.num_key_value_heads, np.uint32))}
+        ctl = _ptr(bufs["control"])
+        ptrs = {
+            **{k: _ptr(v) for k, v in self.weights.items()},
+            "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin),
+            "k_cache": _ptr(k_cache), "v_cache": _ptr(v_cache), **{k: _ptr(v) for k, v in work.items()},
+            **{k: _ptr(bufs[k]) for k in ("attn_cnt", "qkv_done", "best_idx", "shared_token", "tokens", "stop_ids",
+                                           "host_tokens", "host_ctrl", "host_kctl", "kctl")},
+            "logits": _ptr(logits), "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": _ptr(bufs["cancel"]),
+            "forced": _ptr(forced), "profile": 0, "slots": _ptr(table), "slot_stop": _ptr(bufs["stop_ids"]),
+        }
+        scalars = {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": 1, "mode": 0, "top_k": 0, "seed": 0,
+                   "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": b_n * c.vocab_size, "fx_turn0": 0,
+                   "step0": 0}
+        params = param_block(lay.param_fields(), ptrs, scalars)
+        if self.lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, 10**10):
+            raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
+        return [np.concatenate([h, logits[1:len(q) - p + 1, b]]) for b, (h, q) in enumerate(zip(heads, seqs))]
+
     def prefill(self, ids: Sequence[int], all_logits: bool = False):
         from replicas.monokernel_prefill import Prefill
         return Prefill(self, np).run(list(ids), all_logits=all_logits)
