@@ -18,7 +18,10 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 TOL = 2e-2
-SAME = 1e-4  # batch slot vs the single-sequence kernel: the same math up to fp32 rounding
+SAME = 1e-4  # batch slot vs the single-sequence kernel: the same math up to fp32 rounding (fewer attention
+# splits per slot when several are live round the softmax combine differently)
+SAME_MMA = 5e-3  # layout mma: that fp32 difference can flip the bf16 rounding of an O input (CPU emulation:
+# up to 1.2e-3 at B = 8, tests/test_monokernel_emu_cpu.py)
 BATCH = 4
 
 
@@ -67,7 +70,7 @@ def test_teacher_forced_slots_match_single_engine_and_transformers(engines):
     got = many.forward_logits_slots(seqs)
     for s, g in zip(seqs, got):
         assert g.shape == (len(s), one.config.vocab_size) and np.isfinite(g).all()
-        assert rel(g, one.forward_logits(s)) <= SAME
+        assert rel(g, one.forward_logits(s)) <= (SAME_MMA if many.gpu.layout.mma else SAME)
     assert rel(got[0], hf_logits(path, seqs[0])) <= TOL
 
 

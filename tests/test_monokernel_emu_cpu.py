@@ -87,8 +87,9 @@ def test_the_kernel_writes_the_prefills_kv_rows(tiny):
 def test_batch_slots_equal_the_single_sequence_kernel(tiny, options):
     """A B = 4 build decoding 3 sequences of different lengths in one launch (one slot left empty, one
     finishing before the others): each slot's logits are the B = 1 kernel's of the same layout to fp32
-    rounding (1e-4, as tests/test_monokernel_batch_gpu.py; measured up to 1.1e-5, and exactly 0 with mma,
-    whose tensor-core columns are independent)."""
+    rounding (1e-4, as tests/test_monokernel_batch_gpu.py; measured up to 1.1e-5: with several slots live
+    each gets fewer attention splits). With mma that difference can flip one bf16 rounding of an O input
+    (5e-3; 0 here, up to 1.2e-3 seen at B = 8)."""
     from replicas.monokernel_emu import EmuModel
 
     cfg, tensors, _ = tiny
@@ -99,7 +100,7 @@ def test_batch_slots_equal_the_single_sequence_kernel(tiny, options):
     for got, seq in zip(many.forward_logits_slots(seqs), seqs):
         want = one.forward_logits(seq)
         assert got.shape == want.shape == (len(seq), cfg.vocab_size)
-        assert rel(got, want) <= (0 if options else 1e-4)
+        assert rel(got, want) <= (5e-3 if options else 1e-4)
 
 
 def small_family(preset: str, **dims):
