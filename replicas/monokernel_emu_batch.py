@@ -1,0 +1,201 @@
+"""BatchGpuModel's slot API on the CPU emulation of the kernel (tests only; replicas/monokernel_emu.py).
+
+`EmuBatchGpu` is what `BatchedMonokernelEngine.around(config, gpu, prefill)` drives: the real
+scheduler thread and the real batch kernel (and, for a lone slot, the B = 1 build of the same layout)
+with their host protocol: per-slot control words, cancel, the yield word, the exit state (fused turn,
+steps) and the hidden-state handover between launches. A launch runs the emulated kernel in a
+background thread (ctypes releases the GIL), so the scheduler polls host words while it decodes, as it
+does on a GPU. Buffers mirror replicas/monokernel_batch.py:
+    # k_cache, v_cache: [B][L][kv_heads][max_ctx][D] bf16 bits; xbuf: [2][B][Hp] fp32
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+
+from replicas import layout as L
+from replicas.layout import KernelLayout
+from replicas.layout_tuned import engine_options
+from replicas.model import ModelConfig
+from replicas.monokernel_batch import BATCH_ONLY_OPTIONS, SlotSpec
+from replicas.monokernel_emu import STACK_BYTES, _ptr, build
+from replicas.monokernel_gpu import field_bits, inv_temperature, param_block
+from replicas.monokernel_weights import pack_weights, rope_tables
+
+
+class _Stream(nullcontext):
+    """The engine's stream: `done` while no emulated launch runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.failed: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.thread is None or not self.thread.is_alive()
+
+
+class EmuBatchGpu:
+    """The batch build of `layout_options` + batch=B and its B = 1 build, on shared weights and KV."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], batch: int, max_context: int = 256,
+                 layout_options: dict | None = None, num_sms: int = 4):
+        c, ctx = config, int(max_context)
+        self.config, self.batch, self.max_context, self.device = c, int(batch), ctx, 0
+        opts = dict(layout_options or {})
+        self.layout = KernelLayout.from_config(c, ctx, num_sms=num_sms, **engine_options(c, {**opts, "batch": batch}))
+        single = {k: v for k, v in opts.items() if k not in BATCH_ONLY_OPTIONS}
+        self.single_layout = KernelLayout.from_config(c, ctx, num_sms=num_sms, **engine_options(c, single))
+        assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
+        self.lib, self.single_lib = build(self.layout), build(self.single_layout)
+        self.weights = pack_weights(np, self.layout, c, tensors)
+        self.rope_cos, self.rope_sin = rope_tables(c, ctx)
+        b = self.batch
+        kv = (b, c.num_hidden_layers, c.num_key_value_heads, ctx, c.head_dim)
+        self.k_cache, self.v_cache = np.zeros(kv, np.uint16), np.zeros(kv, np.uint16)
+        self.work = {k: np.zeros(n, np.float32) for k, n in self.layout.buffer_sizes().items()}
+        self.single_work = {k: np.zeros(n, np.float32) for k, n in self.single_layout.buffer_sizes().items()}
+        z = lambda n, t=np.int32: np.zeros(n, t)
+        self.best_idx, self.single_best_idx = z(b * self.layout.total_warps), z(self.single_layout.total_warps)
+        self.attn_cnt, self.qkv_done = z(c.num_key_value_heads, np.uint32), z(c.num_key_value_heads, np.uint32)
+        self.control, self.single_control = z(4, np.uint32), z(8, np.uint32)
+        self.tokens, self.forced, self.stop_ids = z(b * ctx), z(b * ctx), z(b * L.MAX_STOP_IDS)
+        self.logits1, self.cancel, self.shared_token = z(b * c.vocab_size, np.float32), z(b + 1), z(b)
+        self.kctl, self.slot_table = z(4), z(b * len(L.SLOT_FIELDS), np.uint64)
+        self.host_tokens, self.host_ctrl, self.host_kctl = z(b * ctx), z(b * L.CTRL_WORDS), z(4)
+        self.stream = _Stream()
+        self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),
+                                                       memory=SimpleNamespace(OutOfMemoryError=MemoryError)))
+        self._single_last = False
+        self._exit: tuple[int, int] | None = None
+        self.launches = 0
+
+    # ---- the slot API the batched engine uses ------------------------------------------------
+    def slot_view(self, b: int):
+        return SimpleNamespace(config=self.config, weights=self.weights, rope_cos=self.rope_cos,
+                               rope_sin=self.rope_sin, k_cache=self.k_cache[b], v_cache=self.v_cache[b])
+
+    def slot_ctrl(self, b: int) -> np.ndarray:
+        return self.host_ctrl[b * L.CTRL_WORDS:(b + 1) * L.CTRL_WORDS]
+
+    def slot_tokens(self, b: int) -> np.ndarray:
+        return self.host_tokens[b * self.max_context:(b + 1) * self.max_context]
+
+    def request_yield(self) -> None:
+        self.host_kctl[L.KCTL_YIELD] = 1
+
+    def _stops(self, b: int, stop_ids: Sequence[int]) -> np.ndarray:
+        if len(stop_ids) > L.MAX_STOP_IDS:
+            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(stop_ids)}")
+        row = self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS]
+        row[:] = 0
+        row[:len(stop_ids)] = list(stop_ids)
+        return row
+
+    def _start(self, lib, lay: KernelLayout, params: np.ndarray) -> None:
+        if not self.stream.done:
+            raise RuntimeError("a launch while a launch runs")
+
+        def run():
+            if lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, 10**10):
+                self.stream.failed = "the emulated kernel did not finish"
+
+        self._params = params  # kept alive while the kernel reads it
+        self._exit = None
+        self.launches += 1
+        self.stream.thread = threading.Thread(target=run, daemon=True)
+        self.stream.thread.start()
+
+    def _common(self, w: Mapping[str, np.ndarray]) -> dict[str, int]:
+        return {**{k: _ptr(v) for k, v in self.weights.items()},
+                "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin), **{k: _ptr(v) for k, v in w.items()},
+                "attn_cnt": _ptr(self.attn_cnt), "qkv_done": _ptr(self.qkv_done), "profile": 0,
+                "host_kctl": _ptr(self.host_kctl), "kctl": _ptr(self.kctl)}
+
+    def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, np.ndarray], fx_turn0: int = 0,
+                     logits=None, profile=None) -> None:
+        """BatchGpuModel.launch_slots (one build; no teacher forcing)."""
+        lay, b_n, hp = self.layout, self.batch, self.layout.hp
+        if len(slots) != b_n:
+            raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
+        table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
+        x = self.work["xbuf"].reshape(2, b_n, hp)
+        acc = self.work["dn_part"].reshape(2, b_n, 2 * hp)  # int64 accumulators as float32 pairs
+        for b, s in enumerate(slots):
+            if s is None:
+                continue
+            values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps, "n_stop": len(s.stop_ids),
+                      "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
+                      "top_p": s.top_p, "active": 1}
+            table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+            self._stops(b, s.stop_ids)
+            if b in fresh:
+                x[:, b] = 0
+                x[0, b, :self.config.hidden_size] = fresh[b]
+                acc[:, b] = 0
+            self.slot_ctrl(b)[L.CTRL_DONE] = 0
+        self.slot_table[:] = table.reshape(-1)
+        for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
+            a[:] = 0
+        ctl = _ptr(self.control)
+        ptrs = {**self._common(self.work), "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache),
+                "best_idx": _ptr(self.best_idx), "logits": _ptr(self.logits1), "bar_count": ctl, "bar_flag": ctl + 4,
+                "cancel_step": _ptr(self.cancel), "shared_token": _ptr(self.shared_token), "tokens": _ptr(self.tokens),
+                "forced": _ptr(self.forced), "stop_ids": _ptr(self.stop_ids), "host_tokens": _ptr(self.host_tokens),
+                "host_ctrl": _ptr(self.host_ctrl), "slots": _ptr(self.slot_table), "slot_stop": _ptr(self.stop_ids)}
+        scalars = {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": 0, "mode": 0, "top_k": 0, "seed": 0,
+                   "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": 0, "fx_turn0": fx_turn0, "step0": 0}
+        self._single_last = False
+        self._start(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars))
+
+    def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
+        """BatchGpuModel.launch_single: the B = 1 build on slot b's KV, tokens and host words."""
+        lay, w, ctx = self.single_layout, self.single_work, self.max_context
+        stops = self._stops(b, s.stop_ids)
+        w["xbuf"][:] = 0
+        w["xbuf"][:self.config.hidden_size] = x_last
+        w["dn_part"][:] = 0
+        for a in (self.attn_cnt, self.qkv_done, self.single_control, self.kctl, self.host_kctl):
+            a[:] = 0
+        self.slot_ctrl(b)[L.CTRL_DONE] = 0
+        ctl = _ptr(self.single_control)
+        ptrs = {**self._common(w), "k_cache": _ptr(self.k_cache[b]), "v_cache": _ptr(self.v_cache[b]),
+                "best_idx": _ptr(self.single_best_idx), "logits": _ptr(self.logits1), "bar_count": ctl,
+                "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
+                "tokens": _ptr(self.tokens) + 4 * b * ctx, "forced": _ptr(self.forced) + 4 * b * ctx,
+                "stop_ids": _ptr(stops), "host_tokens": _ptr(self.host_tokens) + 4 * b * ctx,
+                "host_ctrl": _ptr(self.host_ctrl) + 4 * b * L.CTRL_WORDS}
+        scalars = {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
+                   "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
+                   "top_p": s.top_p, "logits_per_step": 0, "step0": s.step0}
+        self._single_last = True
+        self._start(self.single_lib, lay, param_block(lay.param_fields(), ptrs, scalars))
+
+    def synchronize(self) -> None:
+        if self.stream.thread is not None:
+            self.stream.thread.join()
+        if self.stream.failed:
+            raise RuntimeError(self.stream.failed)
+
+    def exit_state(self) -> tuple[int, int]:
+        return int(self.kctl[0]), int(self.kctl[1])
+
+    def hidden_state(self, b: int, single: bool):
+        """BatchGpuModel.hidden_state: residual + the last fused accumulator * 2^-32, in fp32."""
+        hp, h = self.layout.hp, self.config.hidden_size
+        if self._exit is None:
+            self._exit = self.exit_state()
+        t = (self._exit[0] - 1) & 1
+        if single:
+            x, acc = self.single_work["xbuf"][:h], self.single_work["dn_part"].view(np.int64).reshape(2, hp)[t, :h]
+        else:
+            n = self.batch
+            x = self.work["xbuf"].reshape(2, n, hp)[0, b, :h]
+            acc = self.work["dn_part"].view(np.int64).reshape(2, n, hp)[t, b, :h]
+        return (x + acc.astype(np.float32) * np.float32(2.0 ** -32)).astype(np.float32)
