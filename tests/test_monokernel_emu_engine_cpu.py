@@ -71,3 +71,47 @@ def test_a_sessions_second_turn_restores_its_kv_and_equals_a_fresh_request(emu):
         assert out2 == one.generate_greedy(turn2, 8)
     else:
         assert len(out2) == 8
+
+
+def test_sampling_stop_and_cancel_in_the_kernel(emu, tiny_checkpoint):
+    """The kernel's samplers and control words, through the engine: seeded top-k / top-p tokens come from
+    the allowed set of the oracle's logits (reference engine; boundary ties within 1e-2 allowed), the
+    same seed repeats itself, a stop id ends the generation before it is yielded, and a cancel ends a
+    running slot within a step while another keeps decoding."""
+    from replicas.engine import FinishReason, SamplingParams
+    from replicas.reference import ReferenceEngine
+
+    cfg, one, gpu, eng = emu
+    ref = ReferenceEngine.from_pretrained(tiny_checkpoint)
+    rng = np.random.default_rng(33)
+    prompt = rng.integers(0, cfg.vocab_size, 14).tolist()
+    for q, name in ((SamplingParams(max_tokens=6, temperature=0.9, top_k=5, seed=4, ignore_eos=True), "top_k"),
+                    (SamplingParams(max_tokens=6, temperature=0.7, top_p=0.6, seed=5, ignore_eos=True), "top_p")):
+        out = list(eng.generate(prompt, q))
+        assert out == list(eng.generate(prompt, q)) and len(out) == 6  # seeded: reproducible
+        seq = list(prompt)
+        for tok in out:
+            z = ref.forward_logits(seq)[-1].astype(np.float64)
+            order = np.argsort(-z)
+            if name == "top_k":
+                allowed = set(order[:5]) | {i for i in order[5:] if z[order[4]] - z[i] <= 1e-2}
+            else:
+                p = np.exp((z - z.max()) / q.temperature)
+                p = p[order] / p.sum()
+                n = int(np.searchsorted(np.cumsum(p), q.top_p - 1e-2)) + 1  # the nucleus, with slack
+                allowed = set(order[:n + 1])
+            assert tok in allowed, (name, len(seq), tok)
+            seq.append(tok)
+    plain = one.generate_greedy(prompt, 12)
+    j = next(i for i in range(1, 12) if plain[i] not in plain[:i])
+    g = eng.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[plain[j]], ignore_eos=True))
+    assert list(g) == plain[:j] and (g.finish_reason, g.stop_token_id) == (FinishReason.STOP, plain[j])
+    other_p = rng.integers(0, cfg.vocab_size, 10).tolist()
+    other = eng.generate(other_p, SamplingParams(max_tokens=20, ignore_eos=True))
+    long_g = eng.generate(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+    got = [next(long_g) for _ in range(3)]
+    long_g.cancel()
+    rest = list(long_g)
+    assert long_g.finish_reason is FinishReason.CANCELLED and len(got) + len(rest) < 200
+    assert got + rest == one.generate_greedy(prompt, len(got) + len(rest))
+    assert list(other) == one.generate_greedy(other_p, 20)

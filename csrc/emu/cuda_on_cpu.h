@@ -3,7 +3,8 @@
 // code, every phase and index, on a tiny model with a small grid, so layout and indexing bugs show up
 // without a GPU. Not a performance model.
 //
-// Every CUDA thread is a fiber (own stack, a 6-register context switch); one OS thread runs them all,
+// Every CUDA thread is a fiber (own stack, a 6-register context switch); one OS thread runs them all
+// (the scheduler's state is thread_local: launches in different OS threads run side by side),
 // cooperatively, so atomics are plain read-modify-writes and there are no data races. A fiber gives
 // up the CPU only at a synchronisation point: __syncthreads, __syncwarp, a shuffle, an mma, or a spin
 // load (ld_acquire). Warp-collective operations are barriers over the warp's 32 fibers with the
@@ -50,11 +51,11 @@ struct Block {
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;
 };
-inline Fiber* cur = nullptr;
-inline void* sched_sp = nullptr;
-inline std::vector<Block>* blocks = nullptr;
-inline dim3u grid{1, 1, 1}, block{1, 1, 1};
-inline unsigned long long clock_ns = 0;
+inline thread_local Fiber* cur = nullptr;
+inline thread_local void* sched_sp = nullptr;
+inline thread_local std::vector<Block>* blocks = nullptr;
+inline thread_local dim3u grid{1, 1, 1}, block{1, 1, 1};
+inline thread_local unsigned long long clock_ns = 0;
 }  // namespace mk_emu
 
 // switch stacks: save the callee-saved registers on this stack, store rsp in *from, load `to`, pop, ret
@@ -184,8 +185,8 @@ inline void mk_emu_mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
 
 namespace mk_emu {
 using Kernel = void (*)(const void*);
-inline Kernel entry = nullptr;
-inline const void* entry_arg = nullptr;
+inline thread_local Kernel entry = nullptr;
+inline thread_local const void* entry_arg = nullptr;
 extern "C" inline void mk_emu_trampoline() {
   entry(entry_arg);
   cur->done = true;
