@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -58,8 +59,9 @@ def emu_source() -> str:
 def build(layout: KernelLayout) -> ctypes.CDLL:
     """Compile (or reuse from CACHE) the emulated kernel of `layout`."""
     cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        raise EmuUnavailable("the monokernel CPU emulation needs g++ (or $CXX)")
+    if cxx is None or platform.machine() not in ("x86_64", "AMD64"):
+        raise EmuUnavailable("the monokernel CPU emulation needs g++ (or $CXX) on x86-64 (its fiber switch is "
+                             f"x86-64 assembly); this is {platform.machine()}")
     src = emu_source()
     cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DMK_EMU", *layout.compile_flags()]
     key = hashlib.sha256((src + "\0".join(cmd)).encode()).hexdigest()[:20]
