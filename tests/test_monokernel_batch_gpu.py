@@ -83,7 +83,12 @@ def test_concurrent_greedy_requests_equal_single_requests(engines):
     gens = [many.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
     outs = [list(g) for g in gens]
     for p, n, g, o in zip(ps, lens, gens, outs):
-        assert o == list(one.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)))
+        want = list(one.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)))
+        if many.gpu.layout.mma:  # (a bf16 rounding flip may part them at a near tie: SAME_MMA)
+            from tests.test_monokernel_sessions_gpu import assert_same_greedy
+            assert_same_greedy(one, p, o, want)
+        else:
+            assert o == want
         assert len(o) == n and g.finish_reason is FinishReason.LENGTH
 
 
