@@ -22,7 +22,8 @@ import numpy as np
 
 from replicas import layout as L
 from replicas.model import ModelConfig
-from replicas.monokernel_gpu import GpuModel, MappedInts, field_bits, inv_temperature, param_block
+from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, inv_temperature,
+                                     param_block)
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots")  # layout options the single-sequence build does not take
@@ -42,6 +43,51 @@ class SlotSpec:
     stop_ids: Sequence[int] = ()
     step0: int = 0  # tokens emitted by earlier launches (a resumed slot)
     forced: Sequence[int] | None = field(default=None, repr=False)  # teacher-forced tokens (forward_logits)
+
+
+def slot_row(s: SlotSpec) -> list[np.uint64]:
+    """Slot s's row of the slot table (SLOT_FIELDS order)."""
+    values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps, "n_stop": len(s.stop_ids),
+              "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
+              "top_p": s.top_p, "active": 1}
+    return [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+
+
+def slots_ptrs(m, work, logits=None, profile=None) -> dict[str, int]:
+    """The pointer fields of a batch launch (launch_slots) over m's buffers (m: BatchGpuModel, or the CPU
+    emulation's stand-in with the same buffer names, replicas/monokernel_emu_batch.py)."""
+    P, ctl = buffer_ptr, buffer_ptr(m.control)
+    return {**common_ptrs(m, work), "k_cache": P(m.k_cache), "v_cache": P(m.v_cache), "best_idx": P(m.best_idx),
+            "logits": P(logits if logits is not None else m.logits1), "bar_count": ctl, "bar_flag": ctl + 4,
+            "cancel_step": P(m.cancel), "shared_token": P(m.shared_token), "tokens": P(m.tokens),
+            "forced": P(m.forced), "stop_ids": P(m.stop_ids), "host_tokens": P(m.host_tokens),
+            "host_ctrl": P(m.host_ctrl), "profile": P(profile), "slots": P(m.slot_table), "slot_stop": P(m.stop_ids),
+            "host_kctl": P(m.host_kctl), "kctl": P(m.kctl)}
+
+
+def batch_scalars(teacher: bool, logits_per_step: int, fx_turn0: int) -> dict:
+    """The scalar fields of a batch launch (the single-sequence ones are unused: the slot table has them)."""
+    return {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": int(teacher), "mode": 0, "top_k": 0, "seed": 0,
+            "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": logits_per_step, "fx_turn0": fx_turn0,
+            "step0": 0}
+
+
+def lone_slot_ptrs(m, b: int, stops, profile=None) -> dict[str, int]:
+    """The pointer fields of the B = 1 build on slot b alone (launch_single): its KV, tokens and host words."""
+    P, ctl, ctx = buffer_ptr, buffer_ptr(m.single_control), m.max_context
+    return {**common_ptrs(m, m.single_work), "k_cache": P(m.k_cache[b]), "v_cache": P(m.v_cache[b]),
+            "best_idx": P(m.single_best_idx), "logits": P(m.logits1),
+            "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
+            "tokens": P(m.tokens[b * ctx:]), "forced": P(m.forced[b * ctx:]), "stop_ids": P(stops),
+            "host_tokens": P(m.host_tokens) + 4 * b * ctx, "host_ctrl": P(m.host_ctrl) + 4 * b * L.CTRL_WORDS,
+            "profile": P(profile), "host_kctl": P(m.host_kctl), "kctl": P(m.kctl)}
+
+
+def lone_slot_scalars(s: SlotSpec) -> dict:
+    """The scalar fields of launch_single: slot s's settings as the B = 1 build's parameters."""
+    return {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
+            "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
+            "top_p": s.top_p, "logits_per_step": 0, "step0": s.step0}
 
 
 def pick_build(sizes, slots: Sequence[object | None]) -> int:
@@ -175,10 +221,7 @@ class BatchGpuModel(GpuModel):
             for b, s in enumerate(slots):
                 if s is None:
                     continue
-                values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps,
-                          "n_stop": len(s.stop_ids), "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
-                          "inv_temperature": inv_temperature(s.temperature), "top_p": s.top_p, "active": 1}
-                table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+                table[b] = slot_row(s)
                 self._write_stops(b, s.stop_ids)
                 if s.forced is not None and len(s.forced):
                     self.forced[b * ctx:b * ctx + len(s.forced)] = cp.asarray(list(s.forced), cp.int32)
@@ -194,27 +237,8 @@ class BatchGpuModel(GpuModel):
             self.cancel[:] = 0
             self.kctl[:] = 0
             self.host_kctl.array[:] = 0
-            ctl = self.control.data.ptr
-            ptrs = {
-                **{k: v.data.ptr for k, v in self.weights.items()},
-                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
-                "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
-                **{k: v.data.ptr for k, v in w.items()},
-                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr, "best_idx": self.best_idx.data.ptr,
-                "logits": (logits if teacher else self.logits1).data.ptr,
-                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": self.cancel.data.ptr,
-                "shared_token": self.shared_token.data.ptr,
-                "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
-                "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
-                "profile": profile.data.ptr if profile is not None else 0,
-                "slots": self.slot_table.data.ptr, "slot_stop": self.stop_ids.data.ptr,
-                "host_kctl": self.host_kctl.dev_ptr, "kctl": self.kctl.data.ptr,
-            }
-            scalars = {  # the single-sequence scalars are unused by a batch build (the slot table has them)
-                "start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": int(teacher), "mode": 0, "top_k": 0,
-                "seed": 0, "inv_temperature": 1.0, "top_p": 1.0,
-                "logits_per_step": b_n * self.config.vocab_size if teacher else 0, "fx_turn0": fx_turn0, "step0": 0,
-            }
+            ptrs = slots_ptrs(self, w, logits, profile)
+            scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0)
             self.params_dev.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
             kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
 
@@ -234,26 +258,7 @@ class BatchGpuModel(GpuModel):
             self.kctl[:] = 0
             self.host_kctl.array[:] = 0
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
-            ctl = self.single_control.data.ptr
-            ptrs = {
-                **{k: v.data.ptr for k, v in self.weights.items()},
-                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
-                "k_cache": self.k_cache[b].data.ptr, "v_cache": self.v_cache[b].data.ptr,
-                **{k: v.data.ptr for k, v in w.items()},
-                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr,
-                "best_idx": self.single_best_idx.data.ptr, "logits": self.logits1.data.ptr,
-                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
-                "tokens": self.tokens[b * ctx:].data.ptr, "forced": self.forced[b * ctx:].data.ptr,
-                "stop_ids": stops.data.ptr,
-                "host_tokens": self.host_tokens.dev_ptr + 4 * b * ctx,
-                "host_ctrl": self.host_ctrl.dev_ptr + 4 * b * L.CTRL_WORDS,
-                "profile": profile.data.ptr if profile is not None else 0,
-                "host_kctl": self.host_kctl.dev_ptr, "kctl": self.kctl.data.ptr,
-            }
-            scalars = {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
-                       "mode": s.mode, "top_k": s.top_k, "seed": s.seed,
-                       "inv_temperature": inv_temperature(s.temperature), "top_p": s.top_p,
-                       "logits_per_step": 0, "step0": s.step0}
+            ptrs, scalars = lone_slot_ptrs(self, b, stops, profile), lone_slot_scalars(s)
             self.single_params.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
             self.single_kernel((lay.num_sms,), (lay.threads,), (self.single_params,), shared_mem=lay.smem_bytes)
 

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
 from replicas.monokernel_build import CSRC, kernel_source
-from replicas.monokernel_gpu import inv_temperature, kernel_buffers, param_block
+from replicas.monokernel_gpu import buffer_ptr, inv_temperature, kernel_buffers, param_block, single_ptrs
 from replicas.monokernel_weights import pack_weights, rope_tables
 
 PRELUDE = CSRC / "emu" / "cuda_on_cpu.h"
@@ -83,10 +84,6 @@ def build(layout: KernelLayout) -> ctypes.CDLL:
     return so
 
 
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
 class EmuModel:
     """GpuModel's buffers and single-sequence launch, in host memory, run by the emulated kernel."""
 
@@ -117,80 +114,54 @@ class EmuModel:
         self.stop_ids[:len(stop_ids)] = list(stop_ids)
         if forced is not None:
             self.forced[:len(forced)] = list(forced)
-        ctl = _ptr(self.control)
-        out = logits if logits is not None else self.logits1
-        ptrs = {
-            **{k: _ptr(v) for k, v in self.weights.items()},
-            "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin),
-            "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache),
-            **{k: _ptr(v) for k, v in w.items()},
-            "attn_cnt": _ptr(self.attn_cnt), "qkv_done": _ptr(self.qkv_done), "best_idx": _ptr(self.best_idx),
-            "logits": _ptr(out), "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8,
-            "shared_token": ctl + 12, "tokens": _ptr(self.tokens), "forced": _ptr(self.forced),
-            "stop_ids": _ptr(self.stop_ids), "host_tokens": _ptr(self.host_tokens), "host_ctrl": _ptr(self.host_ctrl),
-            "profile": 0, "host_kctl": 0, "kctl": 0,
-        }
+        ptrs = single_ptrs(self, logits)  # GpuModel.launch's, over these numpy buffers
         scalars = {
             "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
             "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
             "inv_temperature": inv_temperature(temperature), "top_p": top_p,
             "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
         }
-        params = param_block(lay.param_fields(), ptrs, scalars)
-        rc = self.lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches)
-        if rc:
-            raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
+        self._run(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars), max_switches)
 
     def forward_logits_slots(self, seqs: Sequence[Sequence[int]], prefill_len: int = 16) -> list[np.ndarray]:
         """A batch build (layout option batch = B): teacher-forced logits of up to B sequences decoded in one
         launch, as BatchedMonokernelEngine.forward_logits_slots (slot b <- seqs[b]). [len_b, V] each."""
-        from replicas.monokernel_gpu import field_bits
+        from replicas.monokernel_batch import SlotSpec, batch_scalars, slot_row, slots_ptrs
+        from replicas.monokernel_prefill import Prefill
 
         lay, c, b_n, ctx = self.layout, self.config, self.layout.batch, self.max_context
         if b_n < 2 or not 1 <= len(seqs) <= b_n:
             raise ValueError(f"{len(seqs)} sequences for a build of batch={b_n} (needs a batch layout)")
+        z = lambda n, t=np.int32: np.zeros(n, t)
         kv = (b_n, c.num_hidden_layers, c.num_key_value_heads, ctx, c.head_dim)
-        k_cache, v_cache = np.zeros(kv, np.uint16), np.zeros(kv, np.uint16)  # [B][L][kv_heads][ctx][D]
+        m = SimpleNamespace(  # BatchGpuModel's buffers, by its names (slots_ptrs reads them)
+            weights=self.weights, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
+            k_cache=np.zeros(kv, np.uint16), v_cache=np.zeros(kv, np.uint16),  # [B][L][kv_heads][ctx][D]
+            attn_cnt=z(c.num_key_value_heads, np.uint32), qkv_done=z(c.num_key_value_heads, np.uint32),
+            best_idx=z(b_n * lay.total_warps), logits1=None, control=z(4, np.uint32), cancel=z(b_n + 1),
+            shared_token=z(b_n), tokens=z(b_n * ctx), forced=z(b_n * ctx), stop_ids=z(b_n * L.MAX_STOP_IDS),
+            host_tokens=z(b_n * ctx), host_ctrl=z(b_n * L.CTRL_WORDS), host_kctl=z(4), kctl=z(4),
+            slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64))
         work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
         p = min(prefill_len, *(len(q) for q in seqs))
-        steps = max(len(q) for q in seqs) - p + 1
-        table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
-        forced = np.zeros(b_n * ctx, np.int32)
-        heads = []
-        x = work["xbuf"].reshape(2, b_n, lay.hp)
+        x, heads = work["xbuf"].reshape(2, b_n, lay.hp), []
         for b, q in enumerate(seqs):
-            self.k_cache, self.v_cache = k_cache[b], v_cache[b]  # the prefill writes slot b's cache
-            x_last, head = self.prefill(q[:p], all_logits=True)
+            view = SimpleNamespace(config=c, weights=self.weights, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
+                                   k_cache=m.k_cache[b], v_cache=m.v_cache[b])  # the prefill writes slot b's cache
+            x_last, head = Prefill(view, np).run(list(q[:p]), all_logits=True)
             heads.append(head)
             x[0, b, :c.hidden_size] = x_last
-            forced[b * ctx:b * ctx + len(q) - p] = q[p:]
-            values = {"start_pos": p, "step0": 0, "max_steps": len(q) - p + 1, "n_stop": 0, "mode": L.MODE_GREEDY,
-                      "top_k": 0, "seed": 0, "inv_temperature": 1.0, "top_p": 1.0, "active": 1}
-            table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
-        logits = np.zeros((steps, b_n, c.vocab_size), np.float32)
-        bufs = {n: np.zeros(k, t) for n, k, t in (
-            ("best_idx", b_n * lay.total_warps, np.int32), ("tokens", b_n * ctx, np.int32),
-            ("stop_ids", b_n * L.MAX_STOP_IDS, np.int32), ("cancel", b_n + 1, np.int32),
-            ("shared_token", b_n, np.int32), ("kctl", 4, np.int32), ("host_tokens", b_n * ctx, np.int32),
-            ("host_ctrl", b_n * L.CTRL_WORDS, np.int32), ("host_kctl", 4, np.int32), ("control", 4, np.uint32),
-            ("attn_cnt", c.num_key_value_heads, np.uint32), ("qkv_done", c.num_key_value_heads, np.uint32))}
-        ctl = _ptr(bufs["control"])
-        ptrs = {
-            **{k: _ptr(v) for k, v in self.weights.items()},
-            "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin),
-            "k_cache": _ptr(k_cache), "v_cache": _ptr(v_cache), **{k: _ptr(v) for k, v in work.items()},
-            **{k: _ptr(bufs[k]) for k in ("attn_cnt", "qkv_done", "best_idx", "shared_token", "tokens", "stop_ids",
-                                           "host_tokens", "host_ctrl", "host_kctl", "kctl")},
-            "logits": _ptr(logits), "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": _ptr(bufs["cancel"]),
-            "forced": _ptr(forced), "profile": 0, "slots": _ptr(table), "slot_stop": _ptr(bufs["stop_ids"]),
-        }
-        scalars = {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": 1, "mode": 0, "top_k": 0, "seed": 0,
-                   "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": b_n * c.vocab_size, "fx_turn0": 0,
-                   "step0": 0}
-        params = param_block(lay.param_fields(), ptrs, scalars)
-        if self.lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, 10**10):
-            raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
+            m.forced[b * ctx:b * ctx + len(q) - p] = q[p:]
+            m.slot_table[b] = slot_row(SlotSpec(start_pos=p, max_steps=len(q) - p + 1))
+        logits = np.zeros((max(len(q) for q in seqs) - p + 1, b_n, c.vocab_size), np.float32)
+        self._run(self.lib, lay, param_block(lay.param_fields(), slots_ptrs(m, work, logits),
+                                             batch_scalars(True, b_n * c.vocab_size, 0)))
         return [np.concatenate([h, logits[1:len(q) - p + 1, b]]) for b, (h, q) in enumerate(zip(heads, seqs))]
+
+    @staticmethod
+    def _run(lib, lay: KernelLayout, params: np.ndarray, max_switches: int = 10**10) -> None:
+        if lib.mk_emu_launch(buffer_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches):
+            raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False):
         from replicas.monokernel_prefill import Prefill

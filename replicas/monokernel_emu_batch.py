@@ -22,9 +22,10 @@ from replicas import layout as L
 from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
-from replicas.monokernel_batch import BATCH_ONLY_OPTIONS, SlotSpec
-from replicas.monokernel_emu import STACK_BYTES, _ptr, build
-from replicas.monokernel_gpu import field_bits, inv_temperature, param_block
+from replicas.monokernel_batch import (BATCH_ONLY_OPTIONS, SlotSpec, batch_scalars, lone_slot_ptrs, lone_slot_scalars,
+                                       slot_row, slots_ptrs)
+from replicas.monokernel_emu import EmuModel, build
+from replicas.monokernel_gpu import param_block
 from replicas.monokernel_weights import pack_weights, rope_tables
 
 
@@ -72,7 +73,6 @@ class EmuBatchGpu:
         self.stream = _Stream()
         self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),
                                                        memory=SimpleNamespace(OutOfMemoryError=MemoryError)))
-        self._single_last = False
         self._exit: tuple[int, int] | None = None
         self.launches = 0
 
@@ -103,20 +103,16 @@ class EmuBatchGpu:
             raise RuntimeError("a launch while a launch runs")
 
         def run():
-            if lib.mk_emu_launch(_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, 10**10):
-                self.stream.failed = "the emulated kernel did not finish"
+            try:
+                EmuModel._run(lib, lay, params)
+            except RuntimeError as e:
+                self.stream.failed = str(e)
 
         self._params = params  # kept alive while the kernel reads it
         self._exit = None
         self.launches += 1
         self.stream.thread = threading.Thread(target=run, daemon=True)
         self.stream.thread.start()
-
-    def _common(self, w: Mapping[str, np.ndarray]) -> dict[str, int]:
-        return {**{k: _ptr(v) for k, v in self.weights.items()},
-                "rope_cos": _ptr(self.rope_cos), "rope_sin": _ptr(self.rope_sin), **{k: _ptr(v) for k, v in w.items()},
-                "attn_cnt": _ptr(self.attn_cnt), "qkv_done": _ptr(self.qkv_done), "profile": 0,
-                "host_kctl": _ptr(self.host_kctl), "kctl": _ptr(self.kctl)}
 
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, np.ndarray], fx_turn0: int = 0,
                      logits=None, profile=None) -> None:
@@ -130,10 +126,7 @@ class EmuBatchGpu:
         for b, s in enumerate(slots):
             if s is None:
                 continue
-            values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps, "n_stop": len(s.stop_ids),
-                      "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
-                      "top_p": s.top_p, "active": 1}
-            table[b] = [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
+            table[b] = slot_row(s)
             self._stops(b, s.stop_ids)
             if b in fresh:
                 x[:, b] = 0
@@ -143,20 +136,12 @@ class EmuBatchGpu:
         self.slot_table[:] = table.reshape(-1)
         for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
             a[:] = 0
-        ctl = _ptr(self.control)
-        ptrs = {**self._common(self.work), "k_cache": _ptr(self.k_cache), "v_cache": _ptr(self.v_cache),
-                "best_idx": _ptr(self.best_idx), "logits": _ptr(self.logits1), "bar_count": ctl, "bar_flag": ctl + 4,
-                "cancel_step": _ptr(self.cancel), "shared_token": _ptr(self.shared_token), "tokens": _ptr(self.tokens),
-                "forced": _ptr(self.forced), "stop_ids": _ptr(self.stop_ids), "host_tokens": _ptr(self.host_tokens),
-                "host_ctrl": _ptr(self.host_ctrl), "slots": _ptr(self.slot_table), "slot_stop": _ptr(self.stop_ids)}
-        scalars = {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": 0, "mode": 0, "top_k": 0, "seed": 0,
-                   "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": 0, "fx_turn0": fx_turn0, "step0": 0}
-        self._single_last = False
+        ptrs, scalars = slots_ptrs(self, self.work), batch_scalars(False, 0, fx_turn0)  # BatchGpuModel's
         self._start(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars))
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """BatchGpuModel.launch_single: the B = 1 build on slot b's KV, tokens and host words."""
-        lay, w, ctx = self.single_layout, self.single_work, self.max_context
+        lay, w = self.single_layout, self.single_work
         stops = self._stops(b, s.stop_ids)
         w["xbuf"][:] = 0
         w["xbuf"][:self.config.hidden_size] = x_last
@@ -164,17 +149,7 @@ class EmuBatchGpu:
         for a in (self.attn_cnt, self.qkv_done, self.single_control, self.kctl, self.host_kctl):
             a[:] = 0
         self.slot_ctrl(b)[L.CTRL_DONE] = 0
-        ctl = _ptr(self.single_control)
-        ptrs = {**self._common(w), "k_cache": _ptr(self.k_cache[b]), "v_cache": _ptr(self.v_cache[b]),
-                "best_idx": _ptr(self.single_best_idx), "logits": _ptr(self.logits1), "bar_count": ctl,
-                "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
-                "tokens": _ptr(self.tokens) + 4 * b * ctx, "forced": _ptr(self.forced) + 4 * b * ctx,
-                "stop_ids": _ptr(stops), "host_tokens": _ptr(self.host_tokens) + 4 * b * ctx,
-                "host_ctrl": _ptr(self.host_ctrl) + 4 * b * L.CTRL_WORDS}
-        scalars = {"start_pos": s.start_pos, "max_steps": s.max_steps, "n_stop": len(s.stop_ids), "teacher": 0,
-                   "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
-                   "top_p": s.top_p, "logits_per_step": 0, "step0": s.step0}
-        self._single_last = True
+        ptrs, scalars = lone_slot_ptrs(self, b, stops), lone_slot_scalars(s)  # BatchGpuModel's
         self._start(self.single_lib, lay, param_block(lay.param_fields(), ptrs, scalars))
 
     def synchronize(self) -> None:

@@ -76,6 +76,37 @@ def kernel_buffers(xp, lay: KernelLayout, c: ModelConfig, max_context: int) -> d
     }
 
 
+def buffer_ptr(a) -> int:
+    """The address a launch gives the kernel for a buffer: a CuPy array's, a mapped host array's device
+    side, or (the CPU emulation, replicas/monokernel_emu.py) a numpy array's; None -> 0."""
+    if a is None:
+        return 0
+    if isinstance(a, MappedInts):
+        return a.dev_ptr
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a.data.ptr
+
+
+def common_ptrs(m, work) -> dict[str, int]:
+    """What every launch points at: the packed weights, RoPE tables, the build's work buffers and the
+    per-kv-group phase counters (m: GpuModel or a model with the same buffer names)."""
+    P = buffer_ptr
+    return {**{k: P(v) for k, v in m.weights.items()}, "rope_cos": P(m.rope_cos), "rope_sin": P(m.rope_sin),
+            **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done)}
+
+
+def single_ptrs(m, logits=None, profile=None) -> dict[str, int]:
+    """The pointer fields of a single-sequence launch (GpuModel.launch) over m's buffers."""
+    P, ctl = buffer_ptr, buffer_ptr(m.control)
+    return {**common_ptrs(m, m.work), "k_cache": P(m.k_cache), "v_cache": P(m.v_cache), "best_idx": P(m.best_idx),
+            "logits": P(logits if logits is not None else m.logits1),
+            "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
+            "tokens": P(m.tokens), "forced": P(m.forced), "stop_ids": P(m.stop_ids),
+            "host_tokens": P(m.host_tokens), "host_ctrl": P(m.host_ctrl), "profile": P(profile),
+            "host_kctl": 0, "kctl": 0}  # this engine never asks a launch to yield
+
+
 def inv_temperature(temperature: float) -> float:
     """The kernel's 1/T (greedy launches pass T = 0 and never use it)."""
     return 1.0 / temperature if temperature > 0 else 1.0
@@ -205,20 +236,7 @@ class GpuModel:
             if forced is not None and len(forced):
                 self.forced[:len(forced)] = cp.asarray(list(forced), cp.int32)
             self.host_ctrl.array[:] = 0
-            ctl = self.control.data.ptr
-            ptrs = {
-                **{k: v.data.ptr for k, v in self.weights.items()},
-                "rope_cos": self.rope_cos.data.ptr, "rope_sin": self.rope_sin.data.ptr,
-                "k_cache": self.k_cache.data.ptr, "v_cache": self.v_cache.data.ptr,
-                **{k: v.data.ptr for k, v in w.items()},
-                "attn_cnt": self.attn_cnt.data.ptr, "qkv_done": self.qkv_done.data.ptr, "best_idx": self.best_idx.data.ptr,
-                "logits": (logits if logits is not None else self.logits1).data.ptr,
-                "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 12,
-                "tokens": self.tokens.data.ptr, "forced": self.forced.data.ptr, "stop_ids": self.stop_ids.data.ptr,
-                "host_tokens": self.host_tokens.dev_ptr, "host_ctrl": self.host_ctrl.dev_ptr,
-                "profile": profile.data.ptr if profile is not None else 0,
-                "host_kctl": 0, "kctl": 0,  # this engine never asks a launch to yield
-            }
+            ptrs = single_ptrs(self, logits, profile)
             scalars = {
                 "start_pos": start_pos, "max_steps": max_steps, "n_stop": len(stop_ids),
                 "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,

@@ -42,7 +42,7 @@ def engines(request, tmp_path_factory):
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
     # MK_BATCH_TEST_LAYOUT=ao_slots=1: the batch build under test gets these layout options; the single
     # engine (the oracle of each slot's numbers) gets those a single-sequence build takes (e.g. mma=1:
-    # both on tensor cores with bf16 inputs, so slot and single engine still agree to fp32 rounding)
+    # both on tensor cores with bf16 inputs, so slot and single engine agree to SAME_MMA)
     opts = _layout_from_env(os.environ.get("MK_BATCH_TEST_LAYOUT", ""))
     one = MonokernelEngine.from_pretrained(path, max_context=1024, layout_options={
         k: v for k, v in opts.items() if k not in BATCH_ONLY_OPTIONS} or None)
