@@ -123,7 +123,12 @@ def test_joins_resume_running_slots_exactly(engines):
     join_s = time.perf_counter() - t0
     outs = [h + list(g) for h, g in zip(heads, first)] + [[f] + list(g) for f, g in zip(late_first, late)]
     for p, o in zip(ps, outs):
-        assert o == list(one.generate(p, q))
+        want = list(one.generate(p, q))
+        if many.gpu.layout.mma:  # (a bf16 rounding flip may part them at a near tie, as above)
+            from tests.test_monokernel_sessions_gpu import assert_same_greedy
+            assert_same_greedy(one, p, o, want)
+        else:
+            assert o == want
     assert many.launches - launches >= 2  # the joins really relaunched
     assert join_s < 5.0
 
