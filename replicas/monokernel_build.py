@@ -7,6 +7,7 @@ a second start with the same model shape and source loads the cached cubin, no N
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -44,7 +45,9 @@ def kernel_source() -> str:
 
 
 def nvrtc_options(layout: KernelLayout) -> tuple[str, ...]:
-    return (f"--gpu-architecture={ARCH}", "-std=c++17", "--use_fast_math", *layout.compile_flags())
+    # MK_NVRTC_EXTRA (e.g. "-lineinfo" for a profiler's source view) is appended; unset in every engine run
+    extra = tuple(os.environ.get("MK_NVRTC_EXTRA", "").split())
+    return (f"--gpu-architecture={ARCH}", "-std=c++17", "--use_fast_math", *layout.compile_flags(), *extra)
 
 
 def nvcc_command(layout: KernelLayout, src: Path, out: Path) -> list[str]:
