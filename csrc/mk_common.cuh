@@ -40,21 +40,28 @@ MK_DEVICE int xpos(int i) {
 constexpr int kXLane = MK_XPERM ? 4 : 8;
 constexpr int kXHi = MK_XPERM ? 128 : 4;
 
-// 8 packed bf16 (one 16-byte word) dotted with 8 fp32 (x = the chunk's input + lane * kXLane).
+// 8 packed bf16 (one 16-byte word) w dotted with 8 fp32 (float4 a = x[0..3], b = x[kXHi..]).
+#define MK_DOT8_BODY(w, a, b)                                   \
+  float s;                                                      \
+  s = __uint_as_float(w.x << 16) * a.x;                         \
+  s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);         \
+  s = fmaf(__uint_as_float(w.y << 16), a.z, s);                 \
+  s = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, s);         \
+  s = fmaf(__uint_as_float(w.z << 16), b.x, s);                 \
+  s = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, s);         \
+  s = fmaf(__uint_as_float(w.w << 16), b.z, s);                 \
+  s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);         \
+  return s;
+// x = the chunk's input + lane * kXLane in shared memory.
 MK_DEVICE float dot8(uint4 w, const float* x) {
   float4 a = *reinterpret_cast<const float4*>(x);
   float4 b = *reinterpret_cast<const float4*>(x + kXHi);
-  float s;
-  s = __uint_as_float(w.x << 16) * a.x;
-  s = fmaf(__uint_as_float(w.x & 0xffff0000u), a.y, s);
-  s = fmaf(__uint_as_float(w.y << 16), a.z, s);
-  s = fmaf(__uint_as_float(w.y & 0xffff0000u), a.w, s);
-  s = fmaf(__uint_as_float(w.z << 16), b.x, s);
-  s = fmaf(__uint_as_float(w.z & 0xffff0000u), b.y, s);
-  s = fmaf(__uint_as_float(w.w << 16), b.z, s);
-  s = fmaf(__uint_as_float(w.w & 0xffff0000u), b.w, s);
-  return s;
+  MK_DOT8_BODY(w, a, b)
 }
+#if MK_GU_IL
+// The input already loaded: gate/up interleaved (gu_il) dots a gate and an up chunk with one load of it.
+MK_DEVICE float dot8v(uint4 w, const float4& a, const float4& b) { MK_DOT8_BODY(w, a, b) }
+#endif
 
 // ---- cp.async (LDGSTS): 16 bytes global -> shared, L2 only; one commit group per chunk ----
 MK_DEVICE void cp_async16(void* smem, const void* gmem) {

@@ -18,6 +18,9 @@
 #ifndef MK_MMA
 #define MK_MMA 0  // QKV, O, gate/up, LM head on tensor cores (layout option mma, layout_mma.py; flags only when on)
 #endif
+#ifndef MK_GU_IL
+#define MK_GU_IL 0  // gate/up chunks interleaved per row (layout option gu_il; flag only when on)
+#endif
 #ifndef MK_BATCH
 #define MK_BATCH 1  // slots decoded together (layout option batch; flags only when > 1, see mk_batch.cuh)
 #endif

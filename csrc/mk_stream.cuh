@@ -20,6 +20,16 @@ MK_DEVICE void mat_info(const MkParams& p, int mat, int layer, const uint16_t*& 
 
 // This warp's contiguous unit range [u0, u1) of a matrix with `units` units.
 MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long long& u1) {
+#if MK_DIV32
+  // the same quotients in 32-bit arithmetic (units < 2^20, nw <= 4096: no product overflows); a
+  // 64-bit division is a ~70-instruction call the profiler found on every run switch and phase start
+  if (units < (1LL << 20) && nw <= 4096) {
+    const unsigned u = (unsigned)units;
+    u0 = (u * (unsigned)gw) / (unsigned)nw;
+    u1 = (u * (unsigned)(gw + 1)) / (unsigned)nw;
+    return;
+  }
+#endif
   u0 = units * gw / nw;
   u1 = units * (gw + 1) / nw;
 }
@@ -27,7 +37,14 @@ MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long l
 // First gate/up row of block b: its warps' contiguous share of the gate/up units starts there
 // (replicas/layout_fused.py block_rows).
 template <class Int>  // (int or blockIdx.x's unsigned: the caller's type, so default builds compile as before)
-MK_DEVICE long long gu_row0(Int b) { return kSUnitsGU * b / gridDim.x * kRowsPerUnit; }
+MK_DEVICE long long gu_row0(Int b) {
+#if MK_DIV32
+  static_assert(kSUnitsGU < (1LL << 20), "32-bit gate/up row split");
+  return (long long)((unsigned)kSUnitsGU * (unsigned)b / gridDim.x) * kRowsPerUnit;
+#else
+  return kSUnitsGU * b / gridDim.x * kRowsPerUnit;
+#endif
+}
 
 #if MK_FUSED_MLP
 // This warp's run of the fused down (mirror of replicas/layout_fused.py:warp_down_share): rows
@@ -105,6 +122,12 @@ struct WeightStream {
   MK_DEVICE uint4 take() {
     cp_async_wait<MK_RING - 1>();
     return ring[slot * 32 + lane];
+  }
+  // The two oldest chunks at once (both slots stay held until two release() calls).
+  MK_DEVICE void take2(uint4& w0, uint4& w1) {
+    cp_async_wait<MK_RING - 2>();
+    w0 = ring[slot * 32 + lane];
+    w1 = ring[(slot + 1 == MK_RING ? 0 : slot + 1) * 32 + lane];
   }
   // After the taken value has been used: refill the slot with the chunk MK_RING ahead.
   MK_DEVICE void release(const MkParams& p) {
@@ -230,7 +253,28 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
     float acc0[kB], acc1[kB];
 #pragma unroll
     for (int b = 0; b < kB; b++) { acc0[b] = 0.f; acc1[b] = 0.f; }
-    if (MAT == MAT_GU) {
+    if (MAT == MAT_GU && MK_GU_IL) {
+#if MK_GU_IL
+      // gate chunk c and up chunk c are adjacent in the stream (monokernel_weights.interleave_gate_up):
+      // each slot's input is loaded once for both; the sums run in the same order as below
+#pragma unroll 2
+      for (int c = 0; c < kChunks / 2; c++) {
+        uint4 wg, wu;
+        st.take2(wg, wu);
+#pragma unroll
+        for (int b = 0; b < kB; b++) {
+          if (!slot_on(live, b)) continue;
+          const float* xb = x + b * kActVec + c * kChunk;
+          const float4 xa = *reinterpret_cast<const float4*>(xb);
+          const float4 xh = *reinterpret_cast<const float4*>(xb + kXHi);
+          acc0[b] += dot8v(wg, xa, xh);
+          acc1[b] += dot8v(wu, xa, xh);
+        }
+        st.release(p);
+        st.release(p);
+      }
+#endif
+    } else if (MAT == MAT_GU) {
 #pragma unroll 2
       for (int c = 0; c < kChunks / 2; c++) {
         const uint4 w = st.take();

@@ -130,7 +130,10 @@ class KernelLayout:
     split_pos: int = ATTN_SPLIT_POS  # KV positions per attention split before another split is used
     batch: int = 1  # sequences decoded together in one weight pass per step (slots; csrc/mk_batch.cuh)
     ao_slots: bool = False  # batch builds: the O-combine stages every slot in one pass (not yet measured)
-    mma: bool = False  # QKV, O, gate/up and LM head on tensor cores, bf16 inputs (layout_mma.py; not yet measured)
+    mma: bool = False  # QKV, O, gate/up and LM head on tensor cores, bf16 inputs (layout_mma.py; measured slower)
+    param_value: bool = False  # the parameter block passed by value (constant bank) instead of through a pointer
+    div32: bool = False  # the weight stream's unit ranges in 32-bit division (same values; 64-bit is slow)
+    gu_il: bool = False  # gate/up chunks interleaved per row: one input load per gate+up chunk pair
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -142,7 +145,8 @@ class KernelLayout:
                     tp_skip_allreduce: bool = False, fused_mlp: bool = False,
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
-                    mma: bool = False) -> KernelLayout:
+                    mma: bool = False, param_value: bool = False, div32: bool = False,
+                    gu_il: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -163,7 +167,8 @@ class KernelLayout:
                    kv_regs=bool(kv_regs), tp=int(tp), vocab_total=int(vocab_total or config.vocab_size),
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
-                   split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma))
+                   split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
+                   param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -171,7 +176,7 @@ class KernelLayout:
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
         if tp_error := (base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base)
-                        or layout_mma.mma_error(base)):
+                        or layout_mma.mma_error(base) or base._gu_il_error()):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
@@ -311,6 +316,15 @@ class KernelLayout:
             return f"vocab_total={self.vocab_total} does not fit {self.tp} slices of {self.vocab}"
         return None
 
+    def _gu_il_error(self) -> str | None:
+        if not self.gu_il:
+            return None
+        if self.tp > 1:
+            return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
+        if self.mma:
+            return "gu_il and mma both order gate/up for the kernel (mma's tiles already alternate): choose one"
+        return None
+
     def _batch_error(self) -> str | None:
         if not 1 <= self.batch <= MAX_BATCH:
             return f"batch={self.batch}: the monokernel decodes 1..{MAX_BATCH} sequences at once"
@@ -368,6 +382,12 @@ class KernelLayout:
                 defs["MK_AO_SLOTS"] = 1
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
+        if self.param_value:
+            defs["MK_PARAM_VALUE"] = 1
+        if self.div32:
+            defs["MK_DIV32"] = 1
+        if self.gu_il:
+            defs["MK_GU_IL"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

@@ -22,6 +22,7 @@ import numpy as np
 
 from replicas import layout as L
 from replicas.model import ModelConfig
+from replicas.monokernel_build import launch_args
 from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, inv_temperature,
                                      param_block)
 
@@ -239,8 +240,9 @@ class BatchGpuModel(GpuModel):
             self.host_kctl.array[:] = 0
             ptrs = slots_ptrs(self, w, logits, profile)
             scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0)
-            self.params_dev.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
-            kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+            block = param_block(lay.param_fields(), ptrs, scalars)
+            self.params_dev.set(block, stream=self.stream)
+            kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.params_dev, block), shared_mem=lay.smem_bytes)
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the
@@ -259,8 +261,10 @@ class BatchGpuModel(GpuModel):
             self.host_kctl.array[:] = 0
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
             ptrs, scalars = lone_slot_ptrs(self, b, stops, profile), lone_slot_scalars(s)
-            self.single_params.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
-            self.single_kernel((lay.num_sms,), (lay.threads,), (self.single_params,), shared_mem=lay.smem_bytes)
+            block = param_block(lay.param_fields(), ptrs, scalars)
+            self.single_params.set(block, stream=self.stream)
+            self.single_kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.single_params, block),
+                               shared_mem=lay.smem_bytes)
 
     def hidden_state(self, b: int, single: bool):
         """Slot b's hidden state after the last launch (which must have finished): its residual

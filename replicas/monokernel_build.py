@@ -75,3 +75,57 @@ def load_module(layout: KernelLayout, cooperative: bool = True):
             warnings.warn(f"cooperative launch unavailable ({coop_error!r}); launching one block per SM plainly")
     kernel.max_dynamic_shared_size_bytes = layout.smem_bytes
     return kernel
+
+
+# ---- the parameter block by value (layout option param_value) ---------------------------------
+_PROBE_SRC = r"""
+struct Blk { unsigned long long v[%(n)d]; };
+extern "C" __global__ void mk_probe(const __grid_constant__ Blk s, unsigned long long* out) {
+  for (int i = threadIdx.x; i < %(n)d; i += blockDim.x) out[i] = s.v[i];
+}
+"""
+_struct_makers: dict[int, object] = {}  # block size in words -> the way this CuPy passes it
+
+
+def _as_void(cp, block):
+    import numpy as np
+    return block.view(np.dtype((np.void, block.nbytes)))[0]
+
+
+def _as_host_pointer(cp, block):
+    return cp.cuda.function.CPointer(block.ctypes.data)  # (the caller keeps `block` alive over the call)
+
+
+def _struct_maker(cp, words: int):
+    """How to hand CuPy a `words` x 8-byte struct argument, found once per process by launching a
+    probe kernel that copies its struct parameter back: a numpy void scalar, else a host pointer."""
+    import numpy as np
+
+    if words in _struct_makers:
+        return _struct_makers[words]
+    probe = cp.RawKernel(_PROBE_SRC % {"n": words}, "mk_probe", options=("-std=c++17",))
+    want = (np.arange(1, words + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)).astype(np.uint64)
+    tried = []
+    for make in (_as_void, _as_host_pointer):
+        out = cp.zeros(words, cp.uint64)
+        try:
+            probe((1,), (64,), (make(cp, want), out))
+            got = out.get()
+        except Exception as e:  # noqa: BLE001 - this CuPy does not take that form; try the next
+            tried.append(f"{make.__name__}: {e!r}")
+            continue
+        if np.array_equal(got, want):
+            _struct_makers[words] = make
+            return make
+        tried.append(f"{make.__name__}: wrong bytes arrived")
+    raise RuntimeError("layout option param_value: this CuPy cannot pass the parameter block by value ("
+                       + "; ".join(tried) + "); build without param_value")
+
+
+def launch_args(cp, layout: KernelLayout, params_dev, block) -> tuple:
+    """The monokernel's argument tuple: the device parameter block `params_dev` (already holding
+    `block`, the layout.param_fields() words), or with layout.param_value `block` itself by value.
+    Keep `block` referenced until the launch call returns."""
+    if not layout.param_value:
+        return (params_dev,)
+    return (_struct_maker(cp, len(block))(cp, block),)

@@ -17,6 +17,7 @@ import numpy as np
 from replicas import layout as L
 from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
+from replicas.monokernel_build import launch_args
 from replicas.model import ModelConfig
 from replicas.monokernel_weights import pack_weights, rope_tables
 
@@ -244,7 +245,8 @@ class GpuModel:
                 "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
                 **self.tp_params,
             }
-            self.params_dev.set(param_block(lay.param_fields(), ptrs, scalars), stream=self.stream)
+            self.params_host = param_block(lay.param_fields(), ptrs, scalars)
+            self.params_dev.set(self.params_host, stream=self.stream)
         if not defer:
             self.start_kernel()
 
@@ -252,7 +254,8 @@ class GpuModel:
         """The kernel on `self.stream`, reading the parameter block `launch` wrote."""
         lay = self.layout
         with self.cp.cuda.Device(self.device), self.stream:
-            self.kernel((lay.num_sms,), (lay.threads,), (self.params_dev,), shared_mem=lay.smem_bytes)
+            self.kernel((lay.num_sms,), (lay.threads,), launch_args(self.cp, lay, self.params_dev, self.params_host),
+                        shared_mem=lay.smem_bytes)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

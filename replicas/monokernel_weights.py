@@ -102,6 +102,9 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     embed = xp.ascontiguousarray(big("model.embed_tokens.weight"))
     out["embed"] = embed
     head = embed if c.tie_word_embeddings else big("lm_head.weight")
+    if lay.gu_il:  # gate and up chunks alternate within a row's unit (one input load serves both)
+        out["w_gu_prefill"] = out["w_gu"]
+        out["w_gu"] = interleave_gate_up(xp, out["w_gu"])
     if lay.mma:  # the kernel's tensor-core tiles (layout_mma.py); the prefill keeps the plain rows
         _repack_mma(xp, lay, out, head)
     elif lay.hp == H:
@@ -110,6 +113,14 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
         out["w_lm"] = xp.zeros(shapes["w_lm"], xp.uint16)
         out["w_lm"][:, :H] = head
     return out
+
+
+def interleave_gate_up(xp, gu: Array) -> Array:
+    """[L][I][2][Hp] (row i: gate row, then up row) -> the same shape with each row's 256-element
+    chunks alternating gate c, up c (layout option gu_il): the kernel takes a gate and an up chunk
+    and loads their shared input once. The plain matrix stays the prefill's (w_gu_prefill)."""
+    L_, I_, two, hp = gu.shape
+    return xp.ascontiguousarray(gu.reshape(L_, I_, two, hp // 256, 256).transpose(0, 1, 3, 2, 4)).reshape(gu.shape)
 
 
 def _repack_mma(xp, lay: KernelLayout, out: dict[str, Array], head: Array) -> None:

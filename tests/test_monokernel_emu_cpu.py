@@ -63,6 +63,29 @@ def test_teacher_forced_logits_and_greedy_tokens_match_the_reference(tiny, optio
     assert len(toks) == 10
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_div32_param_value_and_gu_il_builds_compute_the_default_builds_numbers(batch):
+    """div32 (32-bit unit ranges) must deal every warp the same units and gu_il (gate/up chunks
+    interleaved, one input load per pair) sums in the same order, so the logits are bit-identical;
+    param_value only changes how the block reaches the kernel (the emulation passes a pointer either
+    way, so here it checks that the flag compiles and changes nothing else)."""
+    from replicas.monokernel_emu import EmuModel
+
+    # hidden 512: two chunks per gate row, so the interleaved order really differs from the plain one
+    cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=256, num_attention_heads=8)
+    assert cfg.hidden_size // 256 == 2
+    ids = np.random.default_rng(11).integers(0, cfg.vocab_size, 24).tolist()
+    opts = {"batch": batch} if batch > 1 else {}
+    base = EmuModel(cfg, tensors, layout_options=opts or None)
+    lean = EmuModel(cfg, tensors, layout_options={**opts, "div32": True, "param_value": True, "gu_il": True})
+    if batch == 1:
+        want, got = base.forward_logits(ids), lean.forward_logits(ids)
+    else:
+        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
+        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(lean.forward_logits_slots(seqs))
+    assert np.abs(want).max() > 0 and np.array_equal(want, got)
+
+
 def test_the_kernel_writes_the_prefills_kv_rows(tiny):
     """K/V rows the kernel appends equal what a prefill of the whole sequence computes for them (within
     bf16 rounding: 1e-2, mma 2e-2), rows it was given stay, and nothing else is written."""
