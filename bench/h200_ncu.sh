@@ -2,19 +2,21 @@
 # Nsight Compute PC sampling of the monokernel (where warps stall), ONE H200, < 5 min:
 #   llama-3.2-1b B = 1 (the default engine) and the B = 4 batched engine at 4 requests.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=420, command="bash bench/h200_ncu.sh")
+#   LAYOUT=param_value+div32 CFGS="1 b1" bash bench/h200_ncu.sh: one variant, B = 1 only
 set -u
 DEADLINE=${DEADLINE:-400}
 . bench/device_stage.sh
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
 echo "ncu: $NCU" >> "$OUT/summary.txt"
 export MK_NVRTC_EXTRA=-lineinfo
-for cfg in "1 b1" "4 b4"; do
+LAYOUT=${LAYOUT-}
+for cfg in ${CFGS:-"1 b1" "4 b4"}; do
   set -- $cfg
   stage ncu_$2 150 "$NCU" --clock-control none --profile-from-start off --kernel-name monokernel --launch-count 2 \
     --section WarpStateStats --section SourceCounters --section SpeedOfLight -f -o "/tmp/prof_$2" \
-    python3 bench/ncu_profile.py --preset llama-3.2-1b --batch "$1" --tokens 64
+    python3 bench/ncu_profile.py --preset llama-3.2-1b --batch "$1" --tokens 64 --layout "$LAYOUT"
   stage read_$2 60 python3 bench/ncu_profile.py --report "/tmp/prof_$2.ncu-rep" --out "$OUT/stalls_$2.json"
   "$NCU" --import "/tmp/prof_$2.ncu-rep" --page details --csv > "$OUT/details_$2.csv" 2>&1
 done
 python3 -c "from replicas.monokernel_build import kernel_source; open('$OUT/kernel_source.cu','w').write(kernel_source())"
-cat "$OUT/summary.txt"; tail -5 "$OUT"/ncu_b1.log "$OUT"/read_b1.log
+cat "$OUT/summary.txt"; tail -n 5 "$OUT"/ncu_b1.log "$OUT"/read_b1.log

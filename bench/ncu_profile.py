@@ -23,23 +23,24 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def run(preset: str, batch: int, tokens: int) -> None:
+def run(preset: str, batch: int, tokens: int, layout: str = "") -> None:
     import cupy as cp
 
-    from bench.decode import random_tensors, time_generation
+    from bench.decode import ab_options, random_tensors, time_generation
     from replicas.checkpoint import preset_config
 
     config = preset_config(preset)
     tensors = random_tensors(cp, config)
     prompt = [(100 + i * 7) % config.vocab_size for i in range(32)]
+    opts = ab_options(layout) if layout else None
     if batch == 1:
         from replicas.monokernel import MonokernelEngine
-        eng = MonokernelEngine(config, tensors, max_context=2048)
+        eng = MonokernelEngine(config, tensors, max_context=2048, layout_options=opts)
         go = lambda: time_generation(eng, prompt, tokens)  # noqa: E731
     else:
         from bench.batch import run_together
         from replicas.monokernel_batched import BatchedMonokernelEngine
-        eng = BatchedMonokernelEngine(config, tensors, batch=batch, max_context=2048)
+        eng = BatchedMonokernelEngine(config, tensors, batch=batch, max_context=2048, layout_options=opts)
         ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(batch)]
         go = lambda: run_together(eng, ps, tokens)  # noqa: E731
     go()
@@ -110,13 +111,14 @@ def main() -> None:
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--layout", default="", help="layout options (bench/decode.py --ab syntax)")
     ap.add_argument("--report", default="")
     ap.add_argument("--out", default="stalls.json")
     args = ap.parse_args()
     if args.report:
         read(args.report, args.out)
     else:
-        run(args.preset, args.batch, args.tokens)
+        run(args.preset, args.batch, args.tokens, args.layout)
 
 
 if __name__ == "__main__":
