@@ -2,7 +2,7 @@
 # Nsight Compute PC sampling of the monokernel (where warps stall), ONE H200, < 5 min:
 #   llama-3.2-1b B = 1 (the default engine) and the B = 4 batched engine at 4 requests.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=420, command="bash bench/h200_ncu.sh")
-#   LAYOUT=param_value+div32 CFGS="1 b1" bash bench/h200_ncu.sh: one variant, B = 1 only
+#   LAYOUT=param_value+div32 CFGS=1:b1 bash bench/h200_ncu.sh: one variant, B = 1 only
 set -u
 DEADLINE=${DEADLINE:-400}
 . bench/device_stage.sh
@@ -10,8 +10,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -
 echo "ncu: $NCU" >> "$OUT/summary.txt"
 export MK_NVRTC_EXTRA=-lineinfo
 LAYOUT=${LAYOUT-}
-for cfg in ${CFGS:-"1 b1" "4 b4"}; do
-  set -- $cfg
+for cfg in ${CFGS:-1:b1 4:b4}; do  # batch:name
+  set -- ${cfg/:/ }
   stage ncu_$2 150 "$NCU" --clock-control none --profile-from-start off --kernel-name monokernel --launch-count 2 \
     --section WarpStateStats --section SourceCounters --section SpeedOfLight -f -o "/tmp/prof_$2" \
     python3 bench/ncu_profile.py --preset llama-3.2-1b --batch "$1" --tokens 64 --layout "$LAYOUT"
