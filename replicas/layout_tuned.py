@@ -15,7 +15,11 @@ from replicas.model import ModelConfig
 # Single GPU (2026-12-01, H200): fused_mlp + fused_attn_o 3 barriers/layer (+3.5% 1B, +6.0% 8B),
 # x_perm conflict-free input loads (+1.1% / +0.5% on top), split_pos 16 (+2.0% 1B: more, shorter
 # attention splits). Tensor-parallel builds keep the plain layout (the fused paths are tp=1 only).
-TUNED_SINGLE_GPU = {"fused_mlp": True, "fused_attn_o": True, "x_perm": True, "split_pos": 16}
+# Session 5: param_value (the parameter block as constant-bank operands, +4.2% 1B) and div32 (32-bit unit
+# ranges, +0.2%): +4.8% 1B / +2.2% 8B with gu_il, which alone is +0.0% at B = 1 (so single engines leave it
+# off: it keeps a plain gate/up copy for the prefill) but is on in batch builds (monokernel_batch.py).
+TUNED_SINGLE_GPU = {"fused_mlp": True, "fused_attn_o": True, "x_perm": True, "split_pos": 16,
+                    "param_value": True, "div32": True}
 
 
 def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
