@@ -128,7 +128,7 @@ def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, ru
 
 
 def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
-                 variants: list[str] | None = None, sub_builds: bool = False, layout: str = "") -> dict:
+                 variants: list[str] | None = None, sub_builds: bool = True, layout: str = "") -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -189,8 +189,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--profile", action="store_true", help="also record the kernel's phase times per occupancy")
-    ap.add_argument("--sub-builds", action="store_true",
-                    help="batched engines also compile the smaller builds for partial occupancy (sub_builds)")
+    ap.add_argument("--no-sub-builds", dest="sub_builds", action="store_false",
+                    help="batched engines without the smaller builds for partial occupancy (sub_builds, on by default)")
     ap.add_argument("--variants", nargs="+", default=[],
                     help="A/B the largest build at full occupancy against these layout variants (bench/decode.py "
                          "--ab syntax, e.g. ao_slots); skips the occupancy table")

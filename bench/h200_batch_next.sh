@@ -12,7 +12,7 @@ RES=/tmp/mk_next; mkdir -p "$RES"
 PYTEST="python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider tests/test_monokernel_batch_gpu.py"
 stage probe 120 python3 bench/mma_probe.py --out "$RES/probe"
 stage ao_ab 150 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --variants ao_slots --out "$RES/ab"
-stage sub_bench 120 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --sub-builds --out "$RES/sub"
+stage sub_bench 120 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --out "$RES/sub"
 MK_BATCH_TEST_LAYOUT=ao_slots=1 stage ao_tests 100 $PYTEST
 MK_BATCH_SUB_BUILDS=1 stage sub_tests 100 $PYTEST
 cp "$RES/probe/mma_probe.json" "$OUT/" 2>/dev/null

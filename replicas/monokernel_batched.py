@@ -85,9 +85,10 @@ class BatchedMonokernelEngine:
 
     def __init__(self, config: ModelConfig, tensors, batch: int = 4, devices: Sequence[int] = (0,),
                  max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None,
-                 sub_builds: bool = False, *, session_cache_bytes: int = DEFAULT_MAX_BYTES,
+                 sub_builds: bool = True, *, session_cache_bytes: int = DEFAULT_MAX_BYTES,
                  max_sessions: int = DEFAULT_MAX_SESSIONS):
-        """sub_builds: smaller batch builds for partial occupancy (BatchGpuModel; not yet run on a GPU).
+        """sub_builds: also compile the smaller batch builds for partial occupancy (BatchGpuModel; measured on
+        the H200, B = 8 engine at 2 / 4 requests: 886 / 539 tok/s each instead of 597 / 449).
         Agent sessions' KV is kept between turns (in GPU memory) within `session_cache_bytes` /
         `max_sessions` (replicas.session_cache; max_sessions=0 turns reuse off), one cache for all slots."""
         sessions = SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before the GPU work
@@ -133,7 +134,7 @@ class BatchedMonokernelEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, batch: int = 4, devices: Sequence[int] = (0,),
                         max_context: int | None = None, progress: bool | None = None,
-                        layout_options: dict | None = None, sub_builds: bool = False, *,
+                        layout_options: dict | None = None, sub_builds: bool = True, *,
                         session_cache_bytes: int = DEFAULT_MAX_BYTES,
                         max_sessions: int = DEFAULT_MAX_SESSIONS) -> BatchedMonokernelEngine:
         from replicas.monokernel_gpu import import_cupy

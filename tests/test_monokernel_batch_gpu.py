@@ -46,8 +46,9 @@ def engines(request, tmp_path_factory):
     opts = _layout_from_env(os.environ.get("MK_BATCH_TEST_LAYOUT", ""))
     one = MonokernelEngine.from_pretrained(path, max_context=1024, layout_options={
         k: v for k, v in opts.items() if k not in BATCH_ONLY_OPTIONS} or None)
-    # MK_BATCH_SUB_BUILDS=1: with the smaller builds for partial occupancy (the 2-request launches use B=2)
-    sub = os.environ.get("MK_BATCH_SUB_BUILDS", "0") == "1"
+    # the engine's default: the smaller builds for partial occupancy (the 2-request launches use B=2);
+    # MK_BATCH_SUB_BUILDS=0 tests the largest build alone
+    sub = os.environ.get("MK_BATCH_SUB_BUILDS", "1") == "1"
     many = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, layout_options=opts,
                                                    sub_builds=sub)
     assert sorted(many.gpu.builds) == ([2, BATCH] if sub else [BATCH])
