@@ -119,7 +119,7 @@ class BatchGpuModel(GpuModel):
         tuned = {} if (layout_options or {}).get("mma") else {"gu_il": True, "ao_slots": True}
         layout_options = {**tuned, **(layout_options or {})}
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
-                         layout_options={**(layout_options or {}), "batch": int(batch)})
+                         layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch
         # The single-sequence build of the same layout (same packed weights): a lone slot decodes at
         # exactly the B = 1 engine's speed (launch_single), on its slot's KV and host words.
@@ -130,7 +130,7 @@ class BatchGpuModel(GpuModel):
         cp = self.cp
         with cp.cuda.Device(device):
             # (num_sms, if given as a layout option, is the grid every build shares: self.layout.num_sms)
-            other = {k: v for k, v in (layout_options or {}).items() if k != "num_sms"}
+            other = {k: v for k, v in layout_options.items() if k != "num_sms"}
             single_opts = {k: v for k, v in other.items() if k not in BATCH_ONLY_OPTIONS}
             self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                           **engine_options(config, single_opts))
@@ -253,8 +253,8 @@ class BatchGpuModel(GpuModel):
             ptrs = slots_ptrs(self, w, logits, profile)
             scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0)
             block = param_block(lay.param_fields(), ptrs, scalars)
-            self.params_dev.set(block, stream=self.stream)
-            kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.params_dev, block), shared_mem=lay.smem_bytes)
+            kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.params_dev, block, self.stream),
+                   shared_mem=lay.smem_bytes)
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the
@@ -274,9 +274,8 @@ class BatchGpuModel(GpuModel):
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
             ptrs, scalars = lone_slot_ptrs(self, b, stops, profile), lone_slot_scalars(s)
             block = param_block(lay.param_fields(), ptrs, scalars)
-            self.single_params.set(block, stream=self.stream)
-            self.single_kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.single_params, block),
-                               shared_mem=lay.smem_bytes)
+            args = launch_args(cp, lay, self.single_params, block, self.stream)
+            self.single_kernel((lay.num_sms,), (lay.threads,), args, shared_mem=lay.smem_bytes)
 
     def hidden_state(self, b: int, single: bool):
         """Slot b's hidden state after the last launch (which must have finished): its residual

@@ -122,10 +122,11 @@ def _struct_maker(cp, words: int):
                        + "; ".join(tried) + "); build without param_value")
 
 
-def launch_args(cp, layout: KernelLayout, params_dev, block) -> tuple:
-    """The monokernel's argument tuple: the device parameter block `params_dev` (already holding
-    `block`, the layout.param_fields() words), or with layout.param_value `block` itself by value.
-    Keep `block` referenced until the launch call returns."""
-    if not layout.param_value:
-        return (params_dev,)
-    return (_struct_maker(cp, len(block))(cp, block),)
+def launch_args(cp, layout: KernelLayout, params_dev, block, stream) -> tuple:
+    """The monokernel's argument tuple for the parameter block `block` (the layout.param_fields() words):
+    with layout.param_value the block itself, by value; otherwise `block` is copied into the device block
+    `params_dev` on `stream` and its pointer passed. Keep `block` referenced until the launch call returns."""
+    if layout.param_value:
+        return (_struct_maker(cp, len(block))(cp, block),)
+    params_dev.set(block, stream=stream)
+    return (params_dev,)

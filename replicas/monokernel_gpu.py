@@ -245,17 +245,16 @@ class GpuModel:
                 "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
                 **self.tp_params,
             }
-            self.params_host = param_block(lay.param_fields(), ptrs, scalars)
-            self.params_dev.set(self.params_host, stream=self.stream)
+            self.params_host = param_block(lay.param_fields(), ptrs, scalars)  # sent by start_kernel
         if not defer:
             self.start_kernel()
 
     def start_kernel(self) -> None:
-        """The kernel on `self.stream`, reading the parameter block `launch` wrote."""
+        """The kernel on `self.stream`, with the parameter block `launch` built."""
         lay = self.layout
         with self.cp.cuda.Device(self.device), self.stream:
-            self.kernel((lay.num_sms,), (lay.threads,), launch_args(self.cp, lay, self.params_dev, self.params_host),
-                        shared_mem=lay.smem_bytes)
+            args = launch_args(self.cp, lay, self.params_dev, self.params_host, self.stream)
+            self.kernel((lay.num_sms,), (lay.threads,), args, shared_mem=lay.smem_bytes)
 
     def synchronize(self) -> None:
         self.stream.synchronize()

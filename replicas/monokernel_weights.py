@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from replicas import layout_mma
-from replicas.layout import KernelLayout
+from replicas.layout import CHUNK, KernelLayout
 from replicas.layout_attn_o import pack_o_by_group
 from replicas.layout_fused import pack_down_fused
 from replicas.model import ModelConfig
@@ -120,7 +120,7 @@ def interleave_gate_up(xp, gu: Array) -> Array:
     chunks alternating gate c, up c (layout option gu_il): the kernel takes a gate and an up chunk
     and loads their shared input once. The plain matrix stays the prefill's (w_gu_prefill)."""
     L_, I_, two, hp = gu.shape
-    return xp.ascontiguousarray(gu.reshape(L_, I_, two, hp // 256, 256).transpose(0, 1, 3, 2, 4)).reshape(gu.shape)
+    return xp.ascontiguousarray(gu.reshape(L_, I_, two, hp // CHUNK, CHUNK).transpose(0, 1, 3, 2, 4)).reshape(gu.shape)
 
 
 def _repack_mma(xp, lay: KernelLayout, out: dict[str, Array], head: Array) -> None:
