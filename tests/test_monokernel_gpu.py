@@ -60,7 +60,7 @@ def model(request, tmp_path_factory):
 
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
     engine = MonokernelEngine.from_pretrained(path, max_context=1024, layout_options=LAYOUT)
-    assert all(getattr(engine.gpu.layout, k) for k in LAYOUT), LAYOUT  # the variant really is under test
+    assert all(getattr(engine.gpu.layout, k) == v for k, v in LAYOUT.items()), LAYOUT  # the variant really is under test
     return path, engine
 
 
