@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode import copy_bandwidth, random_tensors, time_generation  # noqa: E402
+from bench.decode import bench_peer, copy_bandwidth, random_tensors, time_generation  # noqa: E402
 
 
 def run_together(engine, prompts, n_new: int) -> list[dict]:
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--layout", default="",
                     help="layout options of the batched engines in the occupancy table (--ab syntax, e.g. mma or "
                          "mma+ao_slots); the single-sequence row stays the default engine")
+    ap.add_argument("--peer", action="store_true",
+                    help="also time the peer (HF transformers, static cache, batch 1) on each preset in the same run")
     args = ap.parse_args()
     import cupy as cp
 
@@ -207,12 +209,17 @@ def main() -> None:
     for preset in args.presets:
         results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
                                                args.variants, args.sub_builds, args.layout))
+        if args.peer:
+            cp.get_default_memory_pool().free_all_blocks()
+            results["presets"][-1]["peer"] = bench_peer(preset, args.new_tokens, args.runs)
     lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts"
              + (f"; batched engines with layout {args.layout}" if args.layout else ""),
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]
     for pr in results["presets"]:
         lines.append(f"| {pr['preset']} | 1 (single-sequence engine) | 1 | {pr['single_tok_s']} | 1.000 | {pr['single_tok_s']} |")
+        if "peer" in pr:
+            lines.append(f"| {pr['preset']} | peer: {pr['peer']['peer']}, batch 1 | 1 | {pr['peer']['tok_s']} | | |")
         for ab in pr.get("ab", []):
             lines.append(f"| {pr['preset']} | {ab['batch']} default vs {ab['variant']} | {ab['batch']} | "
                          f"{ab['default_tok_s']} vs {ab['variant_tok_s']} ({ab['delta']:+.1%}, same tokens: "

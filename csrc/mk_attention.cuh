@@ -8,6 +8,7 @@
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 #include "mk_batch.cuh"
+#include "mk_timeline.cuh"
 
 constexpr int kOPerThread = (kGroup * MK_D + MK_THREADS - 1) / MK_THREADS;
 
@@ -94,7 +95,8 @@ MK_DEVICE int attention_items(const MkParams& p, int step, unsigned live) {
   return n;
 }
 
-MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned live, float* s_act, unsigned qkv_target) {
+MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned live, float* s_act, unsigned qkv_target
+                                MK_TL_PARAM) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int split_cap = split_capacity();  // partials: [B][NKV][split_cap]
   float* s_q = s_act + kAttnQ;
@@ -159,6 +161,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
       }
     }
     __syncthreads();
+    MK_TL_AT(tl, 4);
     // 2. per head (group q heads + the k head): optional RMSNorm over D, then RoPE (rotate-half).
     for (int h = warp; h < kGroup + 1; h += kWarps) {
       float* vec = s_q + h * MK_D;
@@ -182,6 +185,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
     }
     if (tid < kGroup) { s_m[tid] = -INFINITY; s_l[tid] = 0.f; }
     __syncthreads();
+    MK_TL_AT(tl, 5);
     if (t0 <= pos && pos < t1) {  // this split owns the new position: append it to the cache
       for (int d = tid; d < MK_D; d += MK_THREADS) {
         p.k_cache[(head_base + pos) * MK_D + d] = f32_to_bf16(s_kc[d]);
@@ -256,6 +260,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
       __syncthreads();
       if (!MK_KV_REGS && tt + MK_ATTN_TILE < t1) fetch_tile(tt + MK_ATTN_TILE, min(MK_ATTN_TILE, t1 - tt - MK_ATTN_TILE));
     }
+    MK_TL_AT(tl, 6);
     // 4. publish this split's partial; the last split of kv head g to finish combines.
     const long long pbase = (((long long)slot * MK_NKV + g) * split_cap + s) * kGroup;
 #pragma unroll
@@ -270,6 +275,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
     if (tid == 0) atomicAdd(p.attn_cnt + g, 1u);
 #endif
     __syncthreads();
+    MK_TL_AT(tl, 7);
   }
 }
 

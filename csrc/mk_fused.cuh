@@ -8,6 +8,7 @@
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
+#include "mk_timeline.cuh"
 
 // s_act offset of the h slice (batch builds: slot b's slice at kFxH + b * MK_FX_SLICE, after every
 // slot's input vector)
@@ -67,7 +68,8 @@ MK_DEVICE void fx_zero(long long* acc) {
 #if MK_BATCH > 1
 // Batch build: one pass over the down run with 8 accumulators per slot, then each live slot's row-group
 // partials through shared memory in turn (one partial buffer, slots one after another).
-MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned live) {
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned live
+                          MK_TL_PARAM) {
   const float* s_h = s_act + kFxH;
   __syncthreads();  // h slices complete; the normed inputs under the partials are dead
   float a[kB][8];
@@ -116,10 +118,11 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
 }
 #else
 // After run_phase<MAT_GU> stored this block's h slice at s_act + kFxH: the down half.
-MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned) {
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned MK_TL_PARAM) {
   long long* acc = fx_acc(p, turn);
   const float* s_h = s_act + kFxH;
   __syncthreads();  // h slice complete; the normed x under the partials is dead
+  MK_TL_AT(tl, 12);
   if (st.gw >= 0) {
     const DownShare s = down_share(st.gw);
     float* part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + st.lane * 8;
@@ -145,6 +148,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
     }
   }
   __syncthreads();
+  MK_TL_AT(tl, 13);
   for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
     float v = 0.f;
 #pragma unroll

@@ -16,6 +16,7 @@
 #include "mk_params.cuh"
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
+#include "mk_timeline.cuh"
 #include "mk_stream.cuh"
 #include "mk_attention.cuh"
 #include "mk_sample.cuh"
@@ -134,6 +135,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     // the host asked to admit a request (read in the last step's final phase, so every block agrees;
     // only launches given host_kctl: the batched engine's, fused layouts)
     if (step > 0 && p.host_kctl != nullptr && __ldcg(p.cancel_step + kB) != 0) break;
+#if MK_TIMELINE
+    unsigned long long* const tl_lm = tl_row(p, step, MK_L);
+#endif
+    MK_TL_AT(tl_lm, 0);
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
 #if MK_BATCH > 1
     residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
@@ -143,6 +148,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #else
     residual_norm<kSumDN>(slot_x(p, xi, 0), nullptr, MK_DN_SRC(p), nullptr, nullptr, p.lnf, s_act, s_red);
 #endif
+    MK_TL_AT(tl_lm, 1);
     if (blockIdx.x == 0 && threadIdx.x == 0)
       for (int b = 0; b < kB; b++) p.cancel_step[b] = p.host_ctrl[b * MK_CTRL_WORDS + MK_CTRL_CANCEL];
     {
@@ -178,7 +184,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         for (int b = 0; b < kB; b++) { p.best_val[b * st.nw + st.gw] = best[b]; p.best_idx[b * st.nw + st.gw] = best_i[b]; }
     }
     MK_ARRIVE();
+    MK_TL_AT(tl_lm, 2);
     grid_barrier<kBarrierThread>(p.bar_count, epoch);
+    MK_TL_AT(tl_lm, 3);
     MK_MARK(0);
     if (prof_on) prof[6]++;
 
@@ -245,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       if (status) { live &= ~(1u << b); tok[b] = 0; }
     }
     if (live == 0) break;
+    MK_TL_AT(tl_lm, 4);
 
     // ---- the layers, on each live slot's token at its position ----
     // layer 0's input: the tokens' embeddings
@@ -256,7 +265,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
                      s_act, s_red);
 #endif
     xi ^= 1;
+    MK_TL_AT(tl_lm, 5);
     for (int layer = 0; layer < MK_L; layer++) {
+#if MK_TIMELINE
+      unsigned long long* const tl = tl_row(p, step, layer);
+#endif
+      MK_TL_AT(tl, 0);
       // QKV: x = x + down partials; RMSNorm (layer 0: done above).
       if (layer > 0) {
 #if MK_BATCH > 1
@@ -270,6 +284,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
         xi ^= 1;
       }
+      MK_TL_AT(tl, 1);
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) {
@@ -289,14 +304,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       attention_phase(p, layer, step, live, s_act, qkv_target);
 #else
       MK_ARRIVE();
+      MK_TL_AT(tl, 2);
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
+      MK_TL_AT(tl, 3);
       MK_MARK(1);
-      attention_phase(p, layer, step, live, s_act, 0u);
+      attention_phase(p, layer, step, live, s_act, 0u MK_TL_ARG(tl));
 #endif
 #if MK_ATTN_O
       // No attention -> O barrier: wait only for the kv groups of this block's O units (profile: O = both)
       ao_target += (unsigned)(attention_items(p, step, live) / MK_NKV);
       ao_stage(p, step, live, ao_target, s_act);
+      MK_TL_AT(tl, 8);
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) { ao_add(p, u, acc, live); }, live);
 #else
       MK_ARRIVE();
@@ -310,7 +328,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       fx_zero(fx_acc(p, fx_turn - 1));  // read before the QKV barrier; next added to after O's
 #endif
       MK_ARRIVE();
+      MK_TL_AT(tl, 9);
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
+      MK_TL_AT(tl, 10);
       MK_MARK(3);
 #if MK_TP > 1
       tp_all_reduce<MK_S_O>(p, p.o_part, MK_TP_OFF_RECV_O, exchanges);
@@ -328,6 +348,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
                            slot_x(p, xi ^ 1, 0), p.ln2 + layer * MK_H, s_act, s_red);
 #endif
       xi ^= 1;
+      MK_TL_AT(tl, 11);
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
         const long long js = gu_row0(blockIdx.x);  // the block's first gate/up row
@@ -336,13 +357,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
           for (int b = 0; b < kB; b++)
             if (slot_on(live, b)) s_act[kFxH + b * kFxSlice + (int)(u - js)] = g[b] / (1.f + __expf(-g[b])) * up[b];
         }, live);
-        fused_down(st, p, s_act, fx_turn, live);
+        fused_down(st, p, s_act, fx_turn, live MK_TL_ARG(tl));
         fx_turn++;
       }
       if (layer == MK_L - 1 && p.host_kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
         p.cancel_step[kB] = p.host_kctl[MK_KCTL_YIELD];
       MK_ARRIVE();
+      MK_TL_AT(tl, 14);
       grid_barrier<kBarrierThread>(p.bar_count, epoch);
+      MK_TL_AT(tl, 15);
       MK_MARK(4);
 #else
       run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {

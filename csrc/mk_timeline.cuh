@@ -1,0 +1,42 @@
+// Per-block phase timeline (probe builds only: -DMK_TIMELINE=1 through MK_NVRTC_EXTRA, e.g.
+// bench/timeline_probe.py). Thread 0 of every block stores %globaltimer at fixed marks of steps
+// [MK_TL_STEP0, MK_TL_STEP0 + MK_TL_STEPS) into p.profile + kTLBase, laid out
+// [block][step][layer 0..L (L = the LM head + sampling)][kTLMarks] u64. Stores only (no read on
+// thread 0's path), so the probe perturbs little; default builds compile none of it (the macros
+// expand to nothing and the cubins stay byte-identical).
+#pragma once
+#ifndef MK_TIMELINE
+#define MK_TIMELINE 0
+#endif
+#if MK_TIMELINE
+#ifndef MK_TL_STEP0
+#define MK_TL_STEP0 32
+#endif
+#ifndef MK_TL_STEPS
+#define MK_TL_STEPS 64
+#endif
+constexpr int kTLBase = 16;   // after the 13 phase counters (rounded up)
+constexpr int kTLMarks = 16;  // marks per (step, layer); see bench/timeline_probe.py MARKS
+// this block's row of marks for (step, layer), or nullptr outside the window / without a buffer
+MK_DEVICE unsigned long long* tl_row(const MkParams& p, int step, int layer) {
+  if (p.profile == nullptr || step < MK_TL_STEP0 || step >= MK_TL_STEP0 + MK_TL_STEPS) return nullptr;
+  return p.profile + kTLBase +
+         (((long long)blockIdx.x * MK_TL_STEPS + (step - MK_TL_STEP0)) * (MK_L + 1) + layer) * kTLMarks;
+}
+MK_DEVICE unsigned long long tl_now() {
+#ifdef MK_EMU
+  return mk_emu_globaltimer();
+#else
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+#define MK_TL_PARAM , unsigned long long* tl = nullptr
+#define MK_TL_ARG(row) , (row)
+#define MK_TL_AT(row, k) do { if ((row) != nullptr && threadIdx.x == 0) (row)[k] = tl_now(); } while (0)
+#else
+#define MK_TL_PARAM
+#define MK_TL_ARG(row)
+#define MK_TL_AT(row, k) do { } while (0)
+#endif
