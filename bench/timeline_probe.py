@@ -58,6 +58,7 @@ def summarize(ts: np.ndarray, layers: int) -> dict:
             return None
         pb = per_block[have]
         return {"mean": round(float(np.nanmean(d)), 3), "blocks": int(have.sum()),
+                "per_block": [None if np.isnan(v) else round(float(v), 3) for v in per_block],
                 "p10": round(float(np.percentile(pb, 10)), 3), "p50": round(float(np.percentile(pb, 50)), 3),
                 "p90": round(float(np.percentile(pb, 90)), 3), "max": round(float(pb.max()), 3),
                 "slowest_blocks": [int(i) for i in np.flatnonzero(have)[np.argsort(-pb)[:6]]]}
@@ -91,7 +92,9 @@ def summarize(ts: np.ndarray, layers: int) -> dict:
 
 
 def report(s: dict) -> str:
-    lines = [f"grid {s['grid']} blocks, {s['steps']} steps; layer (MLP exit to exit) {s['layer_us_median_block']} us"]
+    lines = [f"grid {s['grid']} blocks, {s['steps']} steps; layer (MLP exit to exit) {s['layer_us_median_block']} us; "
+             f"probe build {s.get('tok_s_probe_build')} tok/s; block -> SM the same in both launches: "
+             f"{s.get('smid_same_both_launches')}"]
     lines.append(f"{'segment':32s} {'mean':>7s} {'p10':>7s} {'p50':>7s} {'p90':>7s} {'max':>7s} blocks  slowest")
     for table in ("segments_us", "lm_us"):
         for name, r in s[table].items():
@@ -122,12 +125,17 @@ def main() -> None:
     prompt = list(range(100, 132))
     time_generation(eng, prompt, 32)  # compile + warm-up
     grid, layers = eng.gpu.layout.num_sms, config.num_hidden_layers
-    eng.profile = cp.zeros(BASE + grid * STEPS * (layers + 1) * MARKS, cp.uint64)
-    dt, n, _ = time_generation(eng, prompt, STEP0 + STEPS + 8)
-    ts = cp.asnumpy(eng.profile[BASE:]).reshape(grid, STEPS, layers + 1, MARKS)
+    rows = grid * STEPS * (layers + 1) * MARKS
+    smids = []
+    for _ in range(2):  # a second launch: does every block land on the same SM again?
+        eng.profile = cp.zeros(BASE + rows + grid, cp.uint64)
+        dt, n, _ = time_generation(eng, prompt, STEP0 + STEPS + 8)
+        smids.append(cp.asnumpy(eng.profile[BASE + rows:]).astype(int).tolist())
+    ts = cp.asnumpy(eng.profile[BASE:BASE + rows]).reshape(grid, STEPS, layers + 1, MARKS)
     eng.profile = None
     s = summarize(ts, layers)
-    s.update(preset=args.preset, options=json.loads(args.options), tok_s_probe_build=round((n - 1) / dt, 1))
+    s.update(preset=args.preset, options=json.loads(args.options), tok_s_probe_build=round((n - 1) / dt, 1),
+             smid=smids[-1], smid_same_both_launches=smids[0] == smids[1])
     args.out.mkdir(parents=True, exist_ok=True)
     np.save(args.out / "timeline.npy", ts)
     (args.out / "timeline.json").write_text(json.dumps(s, indent=1))

@@ -108,8 +108,8 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
   const int nw = gridDim.x * kStreamWarps;
   long long u0, u1, t0, t1;
   constexpr long long kPerGroup = kSUnitsO / MK_NKV;  // stream units of one kv group (rows, or mma tiles)
-  warp_range(kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
-  warp_range(kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
+  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
+  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
   if (u1 <= u0) return;  // no O units in this block (uniform over the block)
   float* s_w = s_act + kAoW;
   for (int g = (int)(u0 / kPerGroup); g <= (int)((u1 - 1) / kPerGroup); g++) {
@@ -135,10 +135,9 @@ MK_DEVICE void ao_add(const MkParams& p, long long u, const float* acc, unsigned
       atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, b) + u % MK_H), (unsigned long long)__float2ll_rn(acc[b] * kAoScale));
 }
 
-// Block-strided zeroing of every slot's accumulator (in the QKV phase: read before its barrier, added after).
+// Zeroing of every slot's accumulator (in the QKV phase: read before its barrier, added after).
 MK_DEVICE void ao_zero(const MkParams& p) {
-  long long* acc = ao_acc(p);
-  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < kB * MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+  zero_acc(ao_acc(p), kB * MK_HP);
 }
 
 // Slot b's pre-norm residual element i after O: x + its accumulator (+ bias) (batch prologue).

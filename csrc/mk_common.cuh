@@ -147,6 +147,21 @@ MK_DEVICE unsigned ld_acquire(const unsigned* p) {
 MK_DEVICE void wait_reach(const unsigned* p, unsigned target) {
   while ((int)(ld_acquire(p) - target) < 0) { }
 }
+#ifndef MK_ZERO_SPREAD
+#define MK_ZERO_SPREAD 0  // layout option zero_spread (flag emitted only when on)
+#endif
+// Zero n int64 accumulator words before the next grid barrier. Block-strided, the first n/512 blocks
+// store everything and their barrier arrival (a fence) waits for those stores: the timeline probe
+// found blocks 1..4 last at the QKV barrier. MK_ZERO_SPREAD gives every block an equal run instead.
+MK_DEVICE void zero_acc(long long* acc, int n) {
+#if MK_ZERO_SPREAD
+  const int per = (n + (int)gridDim.x - 1) / (int)gridDim.x, i = (int)blockIdx.x * per + (int)threadIdx.x;
+  for (int k = i; k < min(n, ((int)blockIdx.x + 1) * per); k += MK_THREADS) acc[k] = 0;
+#else
+  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < n; i += gridDim.x * MK_THREADS) acc[i] = 0;
+#endif
+}
+
 template <int kArriver>
 MK_DEVICE void grid_barrier(unsigned* count, unsigned& epoch) {
   __syncthreads();

@@ -62,7 +62,7 @@ MK_DEVICE float fx_load(const MkParams& p, const float* xsrc, unsigned turn, int
 // Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.
 // (every slot's: they are contiguous within a turn)
 MK_DEVICE void fx_zero(long long* acc) {
-  for (int i = blockIdx.x * MK_THREADS + threadIdx.x; i < kB * MK_HP; i += gridDim.x * MK_THREADS) acc[i] = 0;
+  zero_acc(acc, kB * MK_HP);
 }
 
 #if MK_BATCH > 1

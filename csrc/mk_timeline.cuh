@@ -17,11 +17,21 @@
 #endif
 constexpr int kTLBase = 16;   // after the 13 phase counters (rounded up)
 constexpr int kTLMarks = 16;  // marks per (step, layer); see bench/timeline_probe.py MARKS
+constexpr long long kTLRowsPerBlock = (long long)MK_TL_STEPS * (MK_L + 1) * kTLMarks;  // then one %smid per block
+MK_DEVICE unsigned long long tl_smid() {
+#ifdef MK_EMU
+  return blockIdx.x;
+#else
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+#endif
+}
 // this block's row of marks for (step, layer), or nullptr outside the window / without a buffer
 MK_DEVICE unsigned long long* tl_row(const MkParams& p, int step, int layer) {
   if (p.profile == nullptr || step < MK_TL_STEP0 || step >= MK_TL_STEP0 + MK_TL_STEPS) return nullptr;
-  return p.profile + kTLBase +
-         (((long long)blockIdx.x * MK_TL_STEPS + (step - MK_TL_STEP0)) * (MK_L + 1) + layer) * kTLMarks;
+  return p.profile + kTLBase + (long long)blockIdx.x * kTLRowsPerBlock +
+         ((long long)(step - MK_TL_STEP0) * (MK_L + 1) + layer) * kTLMarks;
 }
 MK_DEVICE unsigned long long tl_now() {
 #ifdef MK_EMU

@@ -130,6 +130,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #define MK_ARRIVE() if (p.profile != nullptr) { __syncthreads(); if (prof_on) t_arrive = global_ns(); }
 #define MK_MARK(k) if (prof_on) { unsigned long long t_ = global_ns(); prof[k] += t_ - t_mark; prof[7 + k] += t_ - t_arrive; t_mark = t_; }
 
+#if MK_TIMELINE
+  if (p.profile != nullptr && threadIdx.x == 0) p.profile[kTLBase + (long long)gridDim.x * kTLRowsPerBlock + blockIdx.x] = tl_smid();
+#endif
   int step = 0;
   for (;; step++) {
     // the host asked to admit a request (read in the last step's final phase, so every block agrees;

@@ -134,6 +134,8 @@ class KernelLayout:
     param_value: bool = False  # the parameter block passed by value (constant bank) instead of through a pointer
     div32: bool = False  # the weight stream's unit ranges in 32-bit division (same values; 64-bit is slow)
     gu_il: bool = False  # gate/up chunks interleaved per row: one input load per gate+up chunk pair
+    o_align: bool = False  # fused_attn_o: O units dealt per kv group to whole blocks (none stages two groups)
+    zero_spread: bool = False  # the fused accumulators' zeroing spread over every block (none arrives late)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -146,7 +148,7 @@ class KernelLayout:
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
-                    gu_il: bool = False) -> KernelLayout:
+                    gu_il: bool = False, o_align: bool = False, zero_spread: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -168,7 +170,8 @@ class KernelLayout:
                    tp_skip_allreduce=bool(tp_skip_allreduce), fused_mlp=bool(fused_mlp),
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
-                   param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il))
+                   param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
+                   o_align=bool(o_align), zero_spread=bool(zero_spread))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -318,11 +321,18 @@ class KernelLayout:
 
     def _gu_il_error(self) -> str | None:
         if not self.gu_il:
-            return None
+            return self._o_align_error()
         if self.tp > 1:
             return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
         if self.mma:
             return "gu_il and mma both order gate/up for the kernel (mma's tiles already alternate): choose one"
+        return self._o_align_error()
+
+    def _o_align_error(self) -> str | None:
+        if self.o_align and not self.fused_attn_o:
+            return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
+        if self.zero_spread and not (self.fused_mlp or self.fused_attn_o):
+            return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
         return None
 
     def _batch_error(self) -> str | None:
@@ -388,6 +398,10 @@ class KernelLayout:
             defs["MK_DIV32"] = 1
         if self.gu_il:
             defs["MK_GU_IL"] = 1
+        if self.o_align:
+            defs["MK_O_ALIGN"] = 1
+        if self.zero_spread:
+            defs["MK_ZERO_SPREAD"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

@@ -86,6 +86,32 @@ def test_div32_param_value_and_gu_il_builds_compute_the_default_builds_numbers(b
     assert np.abs(want).max() > 0 and np.array_equal(want, got)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_o_align_and_zero_spread_builds_compute_the_default_builds_numbers(batch):
+    """o_align deals the O units per kv group to whole blocks and zero_spread zeroes the accumulators
+    from every block: only who does the work changes, and the O / MLP results are int64 fixed-point sums
+    (exact in any order), so the logits must be bit-identical. 6 blocks and 4 kv groups: evenly dealt,
+    blocks 1 and 4 straddle a group boundary, so the aligned dealing really differs."""
+    from replicas.monokernel_emu import EmuModel
+
+    cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=256, intermediate_size=512,
+                                   num_attention_heads=8, num_key_value_heads=4)
+    warps, units = 6 * 16, 4 * 256  # streaming warps, O units (kv group-major: 256 rows per group)
+    straddle = [b for b in range(6) if (units * 16 * b // warps) // 256 != (units * 16 * (b + 1) // warps - 1) // 256]
+    assert straddle == [1, 4]
+    ids = np.random.default_rng(12).integers(0, cfg.vocab_size, 24).tolist()
+    opts = {"batch": batch} if batch > 1 else {}
+    base = EmuModel(cfg, tensors, layout_options=opts or None, num_sms=6)
+    aligned = EmuModel(cfg, tensors, layout_options={**opts, "o_align": True, "zero_spread": True}, num_sms=6)
+    assert aligned.layout.o_align and "-DMK_O_ALIGN=1" in aligned.layout.compile_flags()
+    if batch == 1:
+        want, got = base.forward_logits(ids), aligned.forward_logits(ids)
+    else:
+        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
+        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(aligned.forward_logits_slots(seqs))
+    assert np.abs(want).max() > 0 and np.array_equal(want, got)
+
+
 def test_the_kernel_writes_the_prefills_kv_rows(tiny):
     """K/V rows the kernel appends equal what a prefill of the whole sequence computes for them (within
     bf16 rounding: 1e-2, mma 2e-2), rows it was given stay, and nothing else is written."""
