@@ -18,8 +18,10 @@ from replicas.model import ModelConfig
 # Session 5: param_value (the parameter block as constant-bank operands, +4.2% 1B) and div32 (32-bit unit
 # ranges, +0.2%): +4.8% 1B / +2.2% 8B with gu_il, which alone is +0.0% at B = 1 (so single engines leave it
 # off: it keeps a plain gate/up copy for the prefill) but is on in batch builds (monokernel_batch.py).
+# Session 6: o_align (O units per kv group to whole blocks: no block waits for two groups, +3.1% 1B) and
+# zero_spread (accumulator zeroing over every block, +0.4%): together +3.3% 1B / +1.6% 8B.
 TUNED_SINGLE_GPU = {"fused_mlp": True, "fused_attn_o": True, "x_perm": True, "split_pos": 16,
-                    "param_value": True, "div32": True}
+                    "param_value": True, "div32": True, "o_align": True, "zero_spread": True}
 
 
 def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
@@ -35,4 +37,10 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
             del tuned["fused_mlp"]  # e.g. llama-3.2-3b: 12 chunk columns over 16 warps
         if overrides.get("qkv_flags"):
             del tuned["fused_attn_o"]  # fused_attn_o needs the QKV barrier
-    return {**tuned, **overrides}
+    out = {**tuned, **overrides}
+    # options that refine a fused path leave with it unless asked for explicitly
+    if not out.get("fused_attn_o") and "o_align" not in overrides:
+        out.pop("o_align", None)
+    if not (out.get("fused_attn_o") or out.get("fused_mlp")) and "zero_spread" not in overrides:
+        out.pop("zero_spread", None)
+    return out

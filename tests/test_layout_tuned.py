@@ -31,6 +31,7 @@ def test_every_preset_builds_with_the_engine_default(preset):
     assert lay.fused_mlp == (preset not in ("llama-3.2-3b", "qwen2.5-1.5b"))
     f = flags(lay)
     assert f["MK_XPERM"] == "1" and f["MK_SPLIT_POS"] == "16" and f["MK_ATTN_O"] == "1"
+    assert f["MK_O_ALIGN"] == "1" and f["MK_ZERO_SPREAD"] == "1"
 
 
 def test_explicit_choices_win_and_tp_keeps_the_plain_layout():
@@ -39,6 +40,13 @@ def test_explicit_choices_win_and_tp_keeps_the_plain_layout():
     plain = engine_options(c, {"fused_mlp": False, "fused_attn_o": False, "x_perm": False, "split_pos": 64})
     assert not any(k in flags(KernelLayout.from_config(c, 4096, **plain)) for k in ("MK_FUSED_MLP", "MK_ATTN_O", "MK_XPERM", "MK_SPLIT_POS"))
     assert engine_options(c, {"qkv_flags": True}).get("fused_attn_o") is None  # it needs the QKV barrier
+    # o_align / zero_spread refine the fused paths: they leave with them, unless asked for (then refused)
+    assert "o_align" not in plain and "zero_spread" not in plain
+    assert "o_align" not in engine_options(c, {"qkv_flags": True})
+    with pytest.raises(LayoutError, match="o_align .* needs fused_attn_o"):
+        KernelLayout.from_config(c, 4096, **engine_options(c, {"fused_attn_o": False, "o_align": True}))
+    with pytest.raises(LayoutError, match="zero_spread .* needs fused_mlp or fused_attn_o"):
+        KernelLayout.from_config(c, 4096, **{**plain, "zero_spread": True})
     tp = engine_options(shard_config(c, 2), {"tp": 2, "vocab_total": c.vocab_size})
     assert tp == {"tp": 2, "vocab_total": c.vocab_size}
     KernelLayout.from_config(shard_config(c, 2), 4096, **tp)
