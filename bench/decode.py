@@ -297,11 +297,14 @@ def main() -> None:
     ap.add_argument("--ab", nargs="+", default=[],
                     help="A/B only: boolean layout options to time against the default build on every preset, "
                          "e.g. --ab fused_mlp fused_mlp+fused_attn_o+l2_at_attn+l2_budget_mb=24 ('+' combines options, NAME=N sets an integer one; writes ab.md/ab.json under --out; skips the main table and peers)")
+    ap.add_argument("--layout", default="",
+                    help="layout options of the monokernel rows of the main table (--ab syntax, e.g. sm_shares), on "
+                         "top of the engine default; recorded in decode.json")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.ab:
+    if args.ab or args.layout:
         bad = []
-        for name in args.ab:
+        for name in args.ab + ([args.layout] if args.layout else []):
             for part in name.split("+"):
                 key, eq, val = part.partition("=")
                 if key not in _AB_KNOWN:
@@ -339,7 +342,8 @@ def main() -> None:
         del tensors
     for preset in args.presets:
         if args.tp == [1]:
-            r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [])
+            r = bench_monokernel(cp, preset, args.runs, args.new_tokens, args.ttft if preset == args.presets[0] else [],
+                                 options=ab_options(args.layout) if args.layout else None)
             r["roofline_tok_s"] = round(bw / r["bytes_per_token"], 1)
             r["pct_roofline"] = round(100 * r["tok_s"] / r["roofline_tok_s"], 1)
             print(json.dumps(r), flush=True)

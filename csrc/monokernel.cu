@@ -354,7 +354,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_TL_AT(tl, 11);
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
+#if MK_SM_SHARES
+        const long long js = kSUnitsGU * st.sh.w0() / kShareTotal * kRowsPerUnit;  // the block's first gate/up row
+#else
         const long long js = gu_row0(blockIdx.x);  // the block's first gate/up row
+#endif
         run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
 #pragma unroll
           for (int b = 0; b < kB; b++)

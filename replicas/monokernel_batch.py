@@ -131,6 +131,8 @@ class BatchGpuModel(GpuModel):
         with cp.cuda.Device(device):
             # (num_sms, if given as a layout option, is the grid every build shares: self.layout.num_sms)
             other = {k: v for k, v in layout_options.items() if k != "num_sms"}
+            if self.layout.sm_shares:  # every build deals the stream by the one measured table (one packing)
+                other["share_prefix"] = self.layout.share_prefix
             single_opts = {k: v for k, v in other.items() if k not in BATCH_ONLY_OPTIONS}
             self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                           **engine_options(config, single_opts))

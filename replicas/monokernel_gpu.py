@@ -20,6 +20,7 @@ from replicas.layout_tuned import engine_options
 from replicas.monokernel_build import launch_args
 from replicas.model import ModelConfig
 from replicas.monokernel_weights import pack_weights, rope_tables
+from replicas.sm_shares import with_measured_shares
 
 os.environ.setdefault("CUPY_TF32", "1")  # prefill GEMMs on TF32 tensor cores (read when CuPy loads)
 
@@ -74,6 +75,7 @@ def kernel_buffers(xp, lay: KernelLayout, c: ModelConfig, max_context: int) -> d
         "forced": xp.zeros(max_context, xp.int32),
         "stop_ids": xp.zeros(L.MAX_STOP_IDS, xp.int32),
         "logits1": xp.zeros(c.vocab_size, xp.float32),
+        "share_w": xp.asarray(np.asarray(lay.shares, np.int32)),  # [num_sms + 1] (read with sm_shares only)
     }
 
 
@@ -94,7 +96,8 @@ def common_ptrs(m, work) -> dict[str, int]:
     per-kv-group phase counters (m: GpuModel or a model with the same buffer names)."""
     P = buffer_ptr
     return {**{k: P(v) for k, v in m.weights.items()}, "rope_cos": P(m.rope_cos), "rope_sin": P(m.rope_sin),
-            **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done)}
+            **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done),
+            "share_w": P(getattr(m, "share_w", None))}
 
 
 def single_ptrs(m, logits=None, profile=None) -> dict[str, int]:
@@ -171,6 +174,8 @@ class GpuModel:
             # the tuned single-GPU layout unless layout_options say otherwise (replicas/layout_tuned.py)
             self.layout = KernelLayout.from_config(config, self.max_context, num_sms=sms,
                                                    **engine_options(config, layout_options))
+            # sm_shares: deal the weight stream by this device's measured per-SM speed (before packing)
+            self.layout = with_measured_shares(cp, self.layout)
             try:
                 self._allocate(tensors, progress)
             except cp.cuda.memory.OutOfMemoryError as e:
