@@ -115,19 +115,72 @@ sm_probe(const uint4* __restrict__ src, long long per_block, unsigned long long*
 """
 
 
+# The weight stream's own pattern (csrc/mk_stream.cuh): each warp walks its contiguous run through a ring of
+# `ring` 512-byte slots of cp.async loads in shared memory (~200 KB in flight per SM). The plain-load probe
+# above (64 KB in flight per SM) did not see the monokernel's fast SMs on the H200: it found every second
+# block faster instead, so the weights followed the wrong blocks (RESULTS.md, session 6).
+_RING_PROBE = r"""
+extern "C" __global__ void __launch_bounds__(%(threads)d, 1)
+sm_ring_probe(const uint4* __restrict__ src, long long per_warp, unsigned long long* out) {
+  extern __shared__ uint4 ring_all[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* ring = ring_all + warp * %(ring)d * 32;
+  const uint4* p = src + ((long long)blockIdx.x * %(warps)d + warp) * per_warp * 32 + lane;
+  __syncthreads();
+  unsigned long long t0, t1;
+  asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t0));
+  for (int s = 0; s < %(ring)d; s++) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(ring + s * 32 + lane);
+    asm volatile("cp.async.cg.shared.global [%%0], [%%1], 16;\n" ::"r"(d), "l"(p + (long long)s * 32) : "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  unsigned x = 0;
+  int slot = 0;
+  for (long long c = 0; c < per_warp; c++) {
+    asm volatile("cp.async.wait_group %%0;\n" ::"n"(%(ring)d - 1) : "memory");
+    x ^= ring[slot * 32 + lane].x;
+    const long long nc = c + %(ring)d;
+    if (nc < per_warp) {
+      unsigned d = (unsigned)__cvta_generic_to_shared(ring + slot * 32 + lane);
+      asm volatile("cp.async.cg.shared.global [%%0], [%%1], 16;\n" ::"r"(d), "l"(p + nc * 32) : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    slot = slot + 1 == %(ring)d ? 0 : slot + 1;
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();
+  asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t1));
+  if (threadIdx.x == 0) out[blockIdx.x] = t1 - t0;
+  if (x == 0x9e3779b9u) ring_all[0].y = x;  // keeps the loads
+}
+"""
+
+
 def measure_block_times(cp, num_sms: int, threads: int, smem_bytes: int, per_block_bytes: int = 4 << 20,
-                        reps: int = 7) -> np.ndarray:
+                        reps: int = 7, ring: int = 24, kind: str = "ring") -> np.ndarray:
     """Median ns each block of a `num_sms`-block grid (one block per SM: `smem_bytes` of shared memory
     each, as the monokernel) takes to stream its own `per_block_bytes` while every other block does the
     same: the per-SM bandwidth under full load, by block index (block -> SM placement was the same
-    across launches on the H200: bench/timeline_probe.py)."""
-    kernel = cp.RawKernel(_PROBE % {"threads": threads}, "sm_probe", options=("-std=c++17",))
+    across launches on the H200: bench/timeline_probe.py). kind "ring": the weight stream's cp.async
+    ring of `ring` slots per warp; "loads": plain 16-byte loads, 8 per thread in flight."""
+    warps = threads // 32
+    per_warp = per_block_bytes // (512 * warps)  # 512-byte chunks per warp
+    per_block = per_warp * warps * 32  # uint4 per block
+    if kind == "ring":
+        ring = max(1, min(ring, smem_bytes // (512 * warps)))
+        kernel = cp.RawKernel(_RING_PROBE % {"threads": threads, "ring": ring, "warps": warps}, "sm_ring_probe",
+                              options=("-std=c++17",))
+        arg = per_warp
+    elif kind == "loads":
+        kernel = cp.RawKernel(_PROBE % {"threads": threads}, "sm_probe", options=("-std=c++17",))
+        arg = per_block
+    else:
+        raise ValueError(f"kind={kind!r}: 'ring' or 'loads'")
     kernel.max_dynamic_shared_size_bytes = smem_bytes
-    per_block = per_block_bytes // 16
     src = cp.ones(num_sms * per_block * 4, cp.uint32)
     out = cp.zeros((reps, num_sms), cp.uint64)
     for r in range(-1, reps):  # one warm-up launch
-        kernel((num_sms,), (threads,), (src, np.int64(per_block), out[max(r, 0)]), shared_mem=smem_bytes)
+        kernel((num_sms,), (threads,), (src, np.int64(arg), out[max(r, 0)]), shared_mem=smem_bytes)
     cp.cuda.Device().synchronize()
     times = np.median(cp.asnumpy(out).astype(np.float64), axis=0)
     del src, out
@@ -143,7 +196,7 @@ def with_measured_shares(cp, lay):
     if not lay.sm_shares or lay.share_prefix:
         return lay
     try:
-        times = measure_block_times(cp, lay.num_sms, lay.threads, lay.smem_bytes)
+        times = measure_block_times(cp, lay.num_sms, lay.threads, lay.smem_bytes, ring=lay.ring_slots)
         prefix = check(weights_from_times(times), lay.num_sms, lay.inter)
     except (ShareError, cp.cuda.runtime.CUDARuntimeError) as e:  # pragma: no cover - device-specific
         warnings.warn(f"sm_shares: no usable per-SM speed measurement ({e}); streaming with equal shares")
