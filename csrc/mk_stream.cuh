@@ -43,6 +43,7 @@ MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long l
 // gate/up (its warps equal parts of that): SMs that stream faster under load (24 of 132 on the H200,
 // ~25%) get more rows. One register: w0 (16 bits) | (w1 - w0) << 16.
 constexpr long long kShareTotal = 65536;  // sm_shares.TOTAL
+constexpr int kShareStep0 = 2, kShareSteps = 8;  // steps whose LM-head time each block records (sm_shares.STEP0/STEPS)
 struct Shares {
   unsigned v;
   MK_DEVICE long long w0() const { return v & 0xffffu; }

@@ -60,6 +60,7 @@ BATCH_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 # Extra field of an sm_shares build (MK_SM_SHARES, replicas/sm_shares.py), after the others.
 SHARES_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("share_w", "const int*"),  # [num_sms + 1] prefix sums of the per-block weights
+    ("share_t", "unsigned long long*"),  # [STEPS][num_sms] ns each block's warp 0 spends on its LM rows, or null
 )
 # One slot of a batch launch: 8-byte fields in this order (struct MkSlot, generated).
 SLOT_FIELDS: tuple[tuple[str, str], ...] = (

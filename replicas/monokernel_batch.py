@@ -118,6 +118,10 @@ class BatchGpuModel(GpuModel):
         # and was never measured with ao_slots.
         tuned = {} if (layout_options or {}).get("mma") else {"gu_il": True, "ao_slots": True}
         layout_options = {**tuned, **(layout_options or {})}
+        # sm_shares calibrates with a single-sequence launch (GpuModel.calibrate_shares); batch engines deal
+        # equally unless given a table (share_prefix)
+        if not layout_options.get("share_prefix"):
+            layout_options["sm_shares"] = False
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch

@@ -139,6 +139,12 @@ def test_sm_shares_builds_deal_the_stream_by_weight_and_keep_the_numbers(batch):
         want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(weighted.forward_logits_slots(seqs))
     assert np.abs(want).max() > 0 and rel(got, want) <= 1e-5
     assert not np.array_equal(got, want) or batch > 1  # (the regrouping is real: fp32 sums moved)
+    if batch == 1:  # the calibration's input: every block records its LM-head time at steps STEP0.. of a launch
+        weighted.share_t[:] = 0
+        weighted.launch(np.ones(cfg.hidden_size, np.float32), 1, sm_shares.STEP0 + sm_shares.STEPS + 1)
+        times = sm_shares.times_from_kernel(weighted.share_t, 6)
+        assert times.shape == (6,) and (times > 0).all()
+        sm_shares.check(sm_shares.weights_from_times(times), 6, cfg.intermediate_size)  # (emulated clock: any table)
 
 
 def test_the_kernel_writes_the_prefills_kv_rows(tiny):

@@ -89,3 +89,14 @@ def test_sm_shares_is_refused_where_it_does_not_apply():
         KernelLayout.from_config(c, 2048, share_prefix=sm_shares.uniform(132))
     with pytest.raises(LayoutError, match="needs 133 entries"):
         KernelLayout.from_config(c, 2048, sm_shares=True, share_prefix=sm_shares.uniform(4))
+
+
+def test_the_kernels_recorded_times_become_a_table_and_gaps_are_reported():
+    t = h200_like_times()
+    rec = np.tile(t * 1e3, (sm_shares.STEPS, 1))
+    rec[3, 5] *= 3  # one noisy step does not move a block: the median over the steps
+    times = sm_shares.times_from_kernel(rec.astype(np.uint64).ravel(), 132)
+    assert sm_shares.weights_from_times(times) == sm_shares.weights_from_times(t)
+    rec[:, 7] = 0
+    with pytest.raises(sm_shares.ShareError, match=r"no time for blocks \[7\]"):
+        sm_shares.times_from_kernel(rec.astype(np.uint64).ravel(), 132)
