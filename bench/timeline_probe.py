@@ -95,8 +95,6 @@ def report(s: dict) -> str:
     lines = [f"grid {s['grid']} blocks, {s['steps']} steps; layer (MLP exit to exit) {s['layer_us_median_block']} us; "
              f"probe build {s.get('tok_s_probe_build')} tok/s; block -> SM the same in both launches: "
              f"{s.get('smid_same_both_launches')}"]
-    if "share_heavy_blocks" in s:
-        lines.append(f"sm_shares: {len(s['share_heavy_blocks'])} blocks weighted up: {s['share_heavy_blocks']}")
     lines.append(f"{'segment':32s} {'mean':>7s} {'p10':>7s} {'p50':>7s} {'p90':>7s} {'max':>7s} blocks  slowest")
     for table in ("segments_us", "lm_us"):
         for name, r in s[table].items():
@@ -138,10 +136,6 @@ def main() -> None:
     s = summarize(ts, layers)
     s.update(preset=args.preset, options=json.loads(args.options), tok_s_probe_build=round((n - 1) / dt, 1),
              smid=smids[-1], smid_same_both_launches=smids[0] == smids[1])
-    if eng.gpu.layout.sm_shares:  # the measured table this engine streams by (replicas/sm_shares.py)
-        w = np.diff(eng.gpu.layout.shares)
-        s["share_weights"] = w.tolist()
-        s["share_heavy_blocks"] = [int(b) for b in np.flatnonzero(w > np.median(w))]
     args.out.mkdir(parents=True, exist_ok=True)
     np.save(args.out / "timeline.npy", ts)
     (args.out / "timeline.json").write_text(json.dumps(s, indent=1))

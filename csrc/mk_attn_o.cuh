@@ -108,8 +108,8 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
   const int nw = gridDim.x * kStreamWarps;
   long long u0, u1, t0, t1;
   constexpr long long kPerGroup = kSUnitsO / MK_NKV;  // stream units of one kv group (rows, or mma tiles)
-  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1 MK_SH_ARG(no_shares()));  // (O: not by weight)
-  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1 MK_SH_ARG(no_shares()));
+  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
+  mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
   if (u1 <= u0) return;  // no O units in this block (uniform over the block)
   float* s_w = s_act + kAoW;
   for (int g = (int)(u0 / kPerGroup); g <= (int)((u1 - 1) / kPerGroup); g++) {

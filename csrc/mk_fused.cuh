@@ -79,7 +79,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
     for (int e = 0; e < 8; e++) a[b][e] = 0.f;
   float* part = nullptr;
   if (st.gw >= 0) {
-    const DownShare s = down_share(st.gw MK_SH_ARG(st.sh));
+    const DownShare s = down_share(st.gw);
     part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + s.col0 * kChunk + st.lane * 8;
 #pragma unroll 1
     for (int j = 0; j < s.n; j++) {
@@ -124,7 +124,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
   __syncthreads();  // h slice complete; the normed x under the partials is dead
   MK_TL_AT(tl, 12);
   if (st.gw >= 0) {
-    const DownShare s = down_share(st.gw MK_SH_ARG(st.sh));
+    const DownShare s = down_share(st.gw);
     float* part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + st.lane * 8;
     for (int k = 0; k < MK_FX_M; k++) {
       float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};

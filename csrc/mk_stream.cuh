@@ -34,39 +34,6 @@ MK_DEVICE void warp_range(long long units, int gw, int nw, long long& u0, long l
   u1 = units * (gw + 1) / nw;
 }
 
-#ifndef MK_SM_SHARES
-#define MK_SM_SHARES 0  // layout option sm_shares (flag emitted only when on)
-#endif
-#if MK_SM_SHARES
-// This block's part of the weight-stream shares (replicas/sm_shares.py): p.share_w holds prefix sums
-// normalised to kShareTotal, so block b owns units [U * w0 / T, U * w1 / T) of the LM head and the fused
-// gate/up (its warps equal parts of that): SMs that stream faster under load (24 of 132 on the H200,
-// ~25%) get more rows. One register: w0 (16 bits) | (w1 - w0) << 16.
-constexpr long long kShareTotal = 65536;  // sm_shares.TOTAL
-constexpr int kShareStep0 = 2, kShareSteps = 8;  // steps whose LM-head time each block records (sm_shares.STEP0/STEPS)
-struct Shares {
-  unsigned v;
-  MK_DEVICE long long w0() const { return v & 0xffffu; }
-  MK_DEVICE long long w1() const { return (v & 0xffffu) + (v >> 16); }
-};
-MK_DEVICE Shares block_shares(const MkParams& p, int b) {
-  const int w0 = p.share_w[b], w1 = p.share_w[b + 1];
-  return {(unsigned)w0 | ((unsigned)(w1 - w0) << 16)};
-}
-MK_DEVICE void shared_range(long long units, const Shares& sh, int w, long long& u0, long long& u1) {
-  constexpr long long tot = kShareTotal * kStreamWarps;
-  const long long d = sh.v >> 16, pos = sh.w0() * kStreamWarps + w * d;
-  u0 = units * pos / tot;
-  u1 = units * (pos + d) / tot;
-}
-MK_DEVICE Shares no_shares() { return {1u << 16}; }  // (for ranges of matrices not dealt by weight)
-#define MK_SH_PARAM , const Shares& sh
-#define MK_SH_ARG(x) , (x)
-#else
-#define MK_SH_PARAM
-#define MK_SH_ARG(x)
-#endif
-
 #ifndef MK_O_ALIGN
 #define MK_O_ALIGN 0  // layout option o_align (fused_attn_o; flag emitted only when on)
 #endif
@@ -74,13 +41,7 @@ MK_DEVICE Shares no_shares() { return {1u << 16}; }  // (for ranges of matrices 
 // major, fused_attn_o) are dealt per kv group to whole blocks, blocks [g*nb/NKV, (g+1)*nb/NKV) serving
 // group g. Evenly dealt, the blocks straddling a group boundary waited for two groups' attention and
 // staged both: the timeline probe found them last at the O barrier in 98% of layers (~2 µs late).
-MK_DEVICE void mat_range(int mat, long long units, int gw, int nw, long long& u0, long long& u1 MK_SH_PARAM) {
-#if MK_SM_SHARES
-  if (mat == MAT_LM || mat == MAT_GU) {
-    shared_range(units, sh, gw % kStreamWarps, u0, u1);
-    return;
-  }
-#endif
+MK_DEVICE void mat_range(int mat, long long units, int gw, int nw, long long& u0, long long& u1) {
 #if MK_O_ALIGN
   if (mat == MAT_O && (int)gridDim.x >= MK_NKV) {
     const int nb = (int)gridDim.x, b = gw / kStreamWarps, w = gw % kStreamWarps;
@@ -113,14 +74,9 @@ MK_DEVICE long long gu_row0(Int b) {
 // This warp's run of the fused down (mirror of replicas/layout_fused.py:warp_down_share): rows
 // [a, a+n) of its block's h slice, chunk columns [col0, col0 + MK_FX_M), element offset `off`.
 struct DownShare { int a, n, col0; long long off; };
-MK_DEVICE DownShare down_share(int gw MK_SH_PARAM) {  // (gw: a warp of this block)
+MK_DEVICE DownShare down_share(int gw) {
   const int b = gw / kStreamWarps, w = gw % kStreamWarps;
-#if MK_SM_SHARES
-  (void)b;
-  const int js = (int)(kSUnitsGU * sh.w0() / kShareTotal * kRowsPerUnit), je = (int)(kSUnitsGU * sh.w1() / kShareTotal * kRowsPerUnit);
-#else
   const int js = (int)gu_row0(b), je = (int)gu_row0(b + 1);
-#endif
   const int nb = je - js, r = w / MK_FX_WC, cw = w % MK_FX_WC;
   DownShare s;
   s.a = nb * r / MK_FX_R;
@@ -140,9 +96,6 @@ struct WeightStream {
   const uint16_t* ptr;
   long long left;  // chunks left in the current run; 0 with mat < 0 => this warp streams nothing
   unsigned long long policy;  // L2 eviction policy of streamed weights (MK_EVICT_FIRST)
-#if MK_SM_SHARES
-  Shares sh;  // this block's share weights
-#endif
 
   MK_DEVICE void next_run(const MkParams& p) {
     for (int tries = 0; tries <= 4 * MK_L + 1; tries++) {
@@ -151,14 +104,14 @@ struct WeightStream {
       else mat++;
 #if MK_FUSED_MLP
       if (mat == MAT_DN) {
-        const DownShare s = down_share(gw MK_SH_ARG(sh));
+        const DownShare s = down_share(gw);
         if (s.n > 0) { ptr = p.w_dn + layer * kStrideDN + s.off; left = (long long)s.n * MK_FX_M; return; }
         continue;
       }
 #endif
       const uint16_t* base; long long units, u0, u1; int len;
       mat_info(p, mat, layer, base, units, len);
-      mat_range(mat, units, gw, nw, u0, u1 MK_SH_ARG(sh));
+      mat_range(mat, units, gw, nw, u0, u1);
       if (u1 > u0) { ptr = base + u0 * len; left = (u1 - u0) * (len / kChunk); return; }
     }
     mat = -1; left = 0;  // no share anywhere (tiny models on a big grid)
@@ -183,9 +136,6 @@ struct WeightStream {
       return;
     }
     gw = blockIdx.x * kStreamWarps + (threadIdx.x >> 5);
-#if MK_SM_SHARES
-    sh = block_shares(p, blockIdx.x);
-#endif
     mat = MAT_DN; layer = MK_L - 1;  // so the first run is the LM head
     next_run(p);
     for (slot = 0; slot < MK_RING; slot++) issue(p);
@@ -267,7 +217,7 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
-  mat_range(MAT, units, st.gw, st.nw, u0, u1 MK_SH_ARG(st.sh));
+  mat_range(MAT, units, st.gw, st.nw, u0, u1);
   constexpr int kSplit = MAT == MAT_QKV ? MK_S_QKV : 1;
   constexpr int kSteps = (MAT == MAT_QKV ? kLenQKV : MAT == MAT_O ? kLenO : MAT == MAT_GU ? MK_HP : kLenLM) / 16;
   constexpr long long kTilesPerGroup = MK_H / 16;  // O units per kv group
@@ -311,7 +261,7 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
-  mat_range(MAT, units, st.gw, st.nw, u0, u1 MK_SH_ARG(st.sh));
+  mat_range(MAT, units, st.gw, st.nw, u0, u1);
   constexpr int kSplit = MAT == MAT_QKV ? MK_S_QKV : MAT == MAT_O ? MK_S_O : MAT == MAT_DN ? MK_S_DN : 1;
   constexpr int kLen = MAT == MAT_QKV ? kLenQKV : MAT == MAT_O ? kLenO : MAT == MAT_DN ? kLenDN
                        : MAT == MAT_GU ? kLenGU : kLenLM;
@@ -390,7 +340,7 @@ MK_DEVICE void l2_prefetch(const WeightStream& st, const MkParams& p, int layer,
   if (bytes <= 0 || st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);
-  mat_range(MAT, units, st.gw, st.nw, u0, u1 MK_SH_ARG(st.sh));
+  mat_range(MAT, units, st.gw, st.nw, u0, u1);
   const long long n = min((long long)bytes, (u1 - u0) * len * 2);
   const long long piece = ((n + 31) / 32 + 15) & ~15LL;
   const long long off = st.lane * piece;

@@ -155,11 +155,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     if (blockIdx.x == 0 && threadIdx.x == 0)
       for (int b = 0; b < kB; b++) p.cancel_step[b] = p.host_ctrl[b * MK_CTRL_WORDS + MK_CTRL_CANCEL];
     {
-#if MK_SM_SHARES
-      // the speed sm_shares deals by: ns warp 0 of this block takes for its LM-head rows (a few steps)
-      const bool share_time = p.share_t != nullptr && threadIdx.x == 0 && step >= kShareStep0 && step < kShareStep0 + kShareSteps;
-      const unsigned long long t_lm0 = share_time ? global_ns() : 0ull;
-#endif
       float best[kB]; int best_i[kB];
 #pragma unroll
       for (int b = 0; b < kB; b++) { best[b] = -INFINITY; best_i[b] = 0x7fffffff; }
@@ -190,9 +185,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       if (st.lane == 0 && st.gw >= 0)
 #pragma unroll
         for (int b = 0; b < kB; b++) { p.best_val[b * st.nw + st.gw] = best[b]; p.best_idx[b * st.nw + st.gw] = best_i[b]; }
-#if MK_SM_SHARES
-      if (share_time) p.share_t[(step - kShareStep0) * gridDim.x + blockIdx.x] = global_ns() - t_lm0;
-#endif
     }
     MK_ARRIVE();
     MK_TL_AT(tl_lm, 2);
@@ -362,11 +354,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_TL_AT(tl, 11);
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
-#if MK_SM_SHARES
-        const long long js = kSUnitsGU * st.sh.w0() / kShareTotal * kRowsPerUnit;  // the block's first gate/up row
-#else
         const long long js = gu_row0(blockIdx.x);  // the block's first gate/up row
-#endif
         run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
 #pragma unroll
           for (int b = 0; b < kB; b++)

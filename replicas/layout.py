@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replicas import layout_attn_o, layout_fused, layout_mma, sm_shares
+from replicas import layout_attn_o, layout_fused, layout_mma
 from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter block and control words)
     PARAM_FIELDS,
     TP_PARAM_FIELDS,
     TP_HEADER_WORDS,
     BATCH_PARAM_FIELDS,
-    SHARES_PARAM_FIELDS,
     SLOT_FIELDS,
     KCTL_YIELD,
     CTRL_COUNT,
@@ -137,8 +136,6 @@ class KernelLayout:
     gu_il: bool = False  # gate/up chunks interleaved per row: one input load per gate+up chunk pair
     o_align: bool = False  # fused_attn_o: O units dealt per kv group to whole blocks (none stages two groups)
     zero_spread: bool = False  # the fused accumulators' zeroing spread over every block (none arrives late)
-    sm_shares: bool = False  # LM head and fused gate/up dealt by per-block weights (replicas/sm_shares.py)
-    share_prefix: tuple = ()  # sm_shares: the weights' prefix sums, num_sms + 1 (empty: measured at engine start)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -151,8 +148,7 @@ class KernelLayout:
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
-                    gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
-                    sm_shares: bool = False, share_prefix: tuple = ()) -> KernelLayout:
+                    gu_il: bool = False, o_align: bool = False, zero_spread: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -175,8 +171,7 @@ class KernelLayout:
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
-                   o_align=bool(o_align), zero_spread=bool(zero_spread), sm_shares=bool(sm_shares),
-                   share_prefix=tuple(int(v) for v in share_prefix))
+                   o_align=bool(o_align), zero_spread=bool(zero_spread))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -338,16 +333,6 @@ class KernelLayout:
             return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
         if self.zero_spread and not (self.fused_mlp or self.fused_attn_o):
             return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
-        if self.share_prefix and not self.sm_shares:
-            return "share_prefix is the table of layout option sm_shares: set sm_shares too"
-        if self.sm_shares:
-            if self.tp > 1 or self.mma:
-                return "sm_shares deals the CUDA-core LM head and fused gate/up by weight: it needs tp=1 and no mma"
-            if self.share_prefix:
-                try:
-                    sm_shares.check(self.share_prefix, self.num_sms, self.inter)
-                except sm_shares.ShareError as e:
-                    return str(e)
         return None
 
     def _batch_error(self) -> str | None:
@@ -371,14 +356,8 @@ class KernelLayout:
                 "LOGITS": TP_HEADER_WORDS + 2 * h * n, "WORDS": TP_HEADER_WORDS + 2 * h * n + n * self.vocab}
 
     def param_fields(self) -> tuple[tuple[str, str], ...]:
-        """The kernel's parameter block of this build (params_header() guards the TP, batch and share fields)."""
-        return (PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ()) + (BATCH_PARAM_FIELDS if self.batch > 1 else ())
-                + (SHARES_PARAM_FIELDS if self.sm_shares else ()))
-
-    @property
-    def shares(self) -> tuple[int, ...]:
-        """The per-block weight prefix the kernel and the packing use (uniform without sm_shares)."""
-        return self.share_prefix or sm_shares.uniform(self.num_sms)
+        """The kernel's parameter block of this build (params_header() guards the TP and batch fields)."""
+        return PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ()) + (BATCH_PARAM_FIELDS if self.batch > 1 else ())
 
     # ---- what the compiler sees -----------------------------------------------------------
     def compile_flags(self) -> list[str]:
@@ -423,8 +402,6 @@ class KernelLayout:
             defs["MK_O_ALIGN"] = 1
         if self.zero_spread:
             defs["MK_ZERO_SPREAD"] = 1
-        if self.sm_shares:  # (the table itself is a runtime buffer: no recompile when it changes)
-            defs["MK_SM_SHARES"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

@@ -19,26 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from replicas import sm_shares
-
 CHUNK = 256
 FX_SHIFT = 32  # fixed-point fraction bits of the int64 down accumulators (range ±2^31)
 
 
-def block_rows(inter: int, num_sms: int, b: int, tile: int = 1, prefix=None) -> tuple[int, int]:
+def block_rows(inter: int, num_sms: int, b: int, tile: int = 1) -> tuple[int, int]:
     """Block b's intermediate slice [js, je): the gate/up units its warps own (warp_range of csrc;
-    with layout option mma a unit is a tile of 16 rows: csrc/mk_stream.cuh gu_row0). `prefix`: the
-    sm_shares weight table (replicas/sm_shares.py), None for equal shares."""
+    with layout option mma a unit is a tile of 16 rows: csrc/mk_stream.cuh gu_row0)."""
     units = inter // tile
-    if prefix is not None:
-        u0, u1 = sm_shares.block_units(units, prefix, b)
-        return tile * u0, tile * u1
     return tile * (units * b // num_sms), tile * (units * (b + 1) // num_sms)
-
-
-def lay_rows(lay, b: int) -> tuple[int, int]:
-    """block_rows for layout `lay` (its tile and, with sm_shares, its weight table)."""
-    return block_rows(lay.inter, lay.num_sms, b, gu_tile(lay), lay.shares if lay.sm_shares else None)
 
 
 def gu_tile(lay) -> int:
@@ -78,8 +67,6 @@ def part_floats(lay) -> int:
 def slice_floats(lay) -> int:
     """Shared floats holding the block's h slice (after the partials)."""
     t = gu_tile(lay)
-    if lay.sm_shares:  # any accepted weight table (sm_shares.check) fits
-        return (sm_shares.max_slice(lay.inter // t, lay.num_sms) * t + 3) // 4 * 4
     return (-(-(lay.inter // t) // lay.num_sms) * t + 3) // 4 * 4
 
 
@@ -91,7 +78,7 @@ def warp_down_share(lay, b: int, w: int) -> tuple[int, int, int, int, int]:
     """Warp w of block b: (first h row inside the block slice, rows, first chunk column, columns,
     element offset of its run in the layer's packed down)."""
     r_groups, wc, m = down_geometry(lay.hp, lay.warps_per_block)
-    js, je = lay_rows(lay, b)
+    js, je = block_rows(lay.inter, lay.num_sms, b, gu_tile(lay))
     nb = je - js
     r, cw = divmod(w, wc)
     a = nb * r // r_groups
@@ -107,7 +94,7 @@ def pack_down_fused(xp, lay, down):
     out = xp.empty(i_dim * hp, xp.uint16)
     r_groups, _, _ = down_geometry(hp, lay.warps_per_block)
     for b in range(lay.num_sms):
-        js, je = lay_rows(lay, b)
+        js, je = block_rows(i_dim, lay.num_sms, b, gu_tile(lay))
         for r in range(r_groups):
             a0, a1 = js + (je - js) * r // r_groups, js + (je - js) * (r + 1) // r_groups
             tile = dt[a0:a1].reshape(a1 - a0, hp // CHUNK, CHUNK).transpose(1, 0, 2)
@@ -123,7 +110,7 @@ def simulate_fused_down(lay, packed: np.ndarray, h: np.ndarray) -> np.ndarray:
     f32 = (packed.astype(np.uint32) << 16).view(np.float32)
     total = np.zeros(lay.hidden, np.int64)
     for b in range(lay.num_sms):
-        js, _ = lay_rows(lay, b)
+        js, _ = block_rows(lay.inter, lay.num_sms, b, gu_tile(lay))
         part = np.zeros((r_groups, lay.hp), np.float32)
         for w in range(lay.warps_per_block):
             a, n, col0, ncols, off = warp_down_share(lay, b, w)

@@ -57,11 +57,6 @@ BATCH_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("slot_stop", "const int*"),  # [B][MAX_STOP_IDS] stop token ids
     ("fx_turn0", "long long"),  # fused-MLP turn to resume from (0 on a fresh launch; kctl[0] of the last one)
 )
-# Extra field of an sm_shares build (MK_SM_SHARES, replicas/sm_shares.py), after the others.
-SHARES_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
-    ("share_w", "const int*"),  # [num_sms + 1] prefix sums of the per-block weights
-    ("share_t", "unsigned long long*"),  # [STEPS][num_sms] ns each block's warp 0 spends on its LM rows, or null
-)
 # One slot of a batch launch: 8-byte fields in this order (struct MkSlot, generated).
 SLOT_FIELDS: tuple[tuple[str, str], ...] = (
     ("start_pos", "long long"),  # prompt length: the position of emitted token 0's predecessor + 1
@@ -99,16 +94,15 @@ def params_header() -> str:
     lines.append("#if defined(MK_BATCH) && MK_BATCH > 1")
     lines += [f"  {ctype} {name};" for name, ctype in BATCH_PARAM_FIELDS]
     lines.append("#endif")
-    lines.append("#if defined(MK_SM_SHARES) && MK_SM_SHARES")
-    lines += [f"  {ctype} {name};" for name, ctype in SHARES_PARAM_FIELDS]
-    lines.append("#endif")
     lines.append("};")
-    n_tp, n_b, n_s = len(TP_PARAM_FIELDS), len(BATCH_PARAM_FIELDS), len(SHARES_PARAM_FIELDS)
-    lines += ["#if defined(MK_TP) && MK_TP > 1", f"#define MK_NP_TP_ {n_tp}", "#else", "#define MK_NP_TP_ 0", "#endif",
-              "#if defined(MK_BATCH) && MK_BATCH > 1", f"#define MK_NP_B_ {n_b}", "#else", "#define MK_NP_B_ 0", "#endif",
-              "#if defined(MK_SM_SHARES) && MK_SM_SHARES", f"#define MK_NP_S_ {n_s}", "#else", "#define MK_NP_S_ 0", "#endif"]
-    lines.append(f"static_assert(sizeof(MkParams) == 8 * ({len(PARAM_FIELDS)} + MK_NP_TP_ + MK_NP_B_ + MK_NP_S_), "
-                 "\"one 8-byte slot per field\");")
+    n_tp, n_b = len(TP_PARAM_FIELDS), len(BATCH_PARAM_FIELDS)
+    lines.append("#if defined(MK_TP) && MK_TP > 1")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_tp)}, \"one 8-byte slot per field\");")
+    lines.append("#elif defined(MK_BATCH) && MK_BATCH > 1")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_b)}, \"one 8-byte slot per field\");")
+    lines.append("#else")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * len(PARAM_FIELDS)}, \"one 8-byte slot per field\");")
+    lines.append("#endif")
     consts = {"MK_CTRL_WORDS": CTRL_WORDS, "MK_KCTL_YIELD": KCTL_YIELD, "MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
               "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
               "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,

@@ -22,8 +22,6 @@ from replicas.model import ModelConfig
 # zero_spread (accumulator zeroing over every block, +0.4%): together +3.3% 1B / +1.6% 8B.
 TUNED_SINGLE_GPU = {"fused_mlp": True, "fused_attn_o": True, "x_perm": True, "split_pos": 16,
                     "param_value": True, "div32": True, "o_align": True, "zero_spread": True}
-# Candidates measured on a device before they join the set above (bench/decode.py --ab):
-#   sm_shares  the LM head and fused gate/up dealt by measured per-SM speed (replicas/sm_shares.py)
 
 
 def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
@@ -45,6 +43,4 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
         out.pop("o_align", None)
     if not (out.get("fused_attn_o") or out.get("fused_mlp")) and "zero_spread" not in overrides:
         out.pop("zero_spread", None)
-    if (out.get("mma") or out.get("tp", 1) > 1) and "sm_shares" not in overrides:
-        out.pop("sm_shares", None)
     return out

@@ -118,10 +118,6 @@ class BatchGpuModel(GpuModel):
         # and was never measured with ao_slots.
         tuned = {} if (layout_options or {}).get("mma") else {"gu_il": True, "ao_slots": True}
         layout_options = {**tuned, **(layout_options or {})}
-        # sm_shares calibrates with a single-sequence launch (GpuModel.calibrate_shares); batch engines deal
-        # equally unless given a table (share_prefix)
-        if not layout_options.get("share_prefix"):
-            layout_options["sm_shares"] = False
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch
@@ -135,8 +131,6 @@ class BatchGpuModel(GpuModel):
         with cp.cuda.Device(device):
             # (num_sms, if given as a layout option, is the grid every build shares: self.layout.num_sms)
             other = {k: v for k, v in layout_options.items() if k != "num_sms"}
-            if self.layout.sm_shares:  # every build deals the stream by the one measured table (one packing)
-                other["share_prefix"] = self.layout.share_prefix
             single_opts = {k: v for k, v in other.items() if k not in BATCH_ONLY_OPTIONS}
             self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                           **engine_options(config, single_opts))

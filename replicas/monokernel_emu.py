@@ -141,7 +141,7 @@ class EmuModel:
             best_idx=z(b_n * lay.total_warps), logits1=None, control=z(4, np.uint32), cancel=z(b_n + 1),
             shared_token=z(b_n), tokens=z(b_n * ctx), forced=z(b_n * ctx), stop_ids=z(b_n * L.MAX_STOP_IDS),
             host_tokens=z(b_n * ctx), host_ctrl=z(b_n * L.CTRL_WORDS), host_kctl=z(4), kctl=z(4),
-            slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64), share_w=self.share_w)
+            slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64))
         work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
         p = min(prefill_len, *(len(q) for q in seqs))
         x, heads = work["xbuf"].reshape(2, b_n, lay.hp), []

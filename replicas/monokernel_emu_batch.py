@@ -69,7 +69,6 @@ class EmuBatchGpu:
         self.tokens, self.forced, self.stop_ids = z(b * ctx), z(b * ctx), z(b * L.MAX_STOP_IDS)
         self.logits1, self.cancel, self.shared_token = z(b * c.vocab_size, np.float32), z(b + 1), z(b)
         self.kctl, self.slot_table = z(4), z(b * len(L.SLOT_FIELDS), np.uint64)
-        self.share_w = np.asarray(self.layout.shares, np.int32)  # (sm_shares builds read it)
         self.host_tokens, self.host_ctrl, self.host_kctl = z(b * ctx), z(b * L.CTRL_WORDS), z(4)
         self.stream = _Stream()
         self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),

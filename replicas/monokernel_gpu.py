@@ -19,7 +19,6 @@ from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.monokernel_build import launch_args
 from replicas.model import ModelConfig
-from replicas import sm_shares
 from replicas.monokernel_weights import pack_weights, rope_tables
 
 os.environ.setdefault("CUPY_TF32", "1")  # prefill GEMMs on TF32 tensor cores (read when CuPy loads)
@@ -75,8 +74,6 @@ def kernel_buffers(xp, lay: KernelLayout, c: ModelConfig, max_context: int) -> d
         "forced": xp.zeros(max_context, xp.int32),
         "stop_ids": xp.zeros(L.MAX_STOP_IDS, xp.int32),
         "logits1": xp.zeros(c.vocab_size, xp.float32),
-        "share_w": xp.asarray(np.asarray(lay.shares, np.int32)),  # [num_sms + 1] (read with sm_shares only)
-        "share_t": xp.zeros(sm_shares.STEPS * lay.num_sms, xp.uint64),  # [STEPS][num_sms] LM-head ns per block
     }
 
 
@@ -97,8 +94,7 @@ def common_ptrs(m, work) -> dict[str, int]:
     per-kv-group phase counters (m: GpuModel or a model with the same buffer names)."""
     P = buffer_ptr
     return {**{k: P(v) for k, v in m.weights.items()}, "rope_cos": P(m.rope_cos), "rope_sin": P(m.rope_sin),
-            **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done),
-            "share_w": P(getattr(m, "share_w", None)), "share_t": P(getattr(m, "share_t", None))}
+            **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done)}
 
 
 def single_ptrs(m, logits=None, profile=None) -> dict[str, int]:
@@ -188,35 +184,6 @@ class GpuModel:
             self.kernel = load_module(self.layout, cooperative=cooperative)
             self.compile_seconds = time.perf_counter() - t0
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.share_times = None
-            if self.layout.sm_shares and not self.layout.share_prefix and self.layout.batch == 1:
-                self.calibrate_shares()
-
-    def calibrate_shares(self) -> None:
-        """sm_shares: one short launch on equal shares records every block's LM-head time; the weights
-        that follow (two speed classes, replicas/sm_shares.py) go to share_w, and the fused down is
-        re-packed for the new block slices from its plain prefill copy. The KV rows it writes are
-        overwritten by the next prefill."""
-        import dataclasses
-
-        from replicas import layout_fused
-
-        cp, lay, c = self.cp, self.layout, self.config
-        with cp.cuda.Device(self.device):
-            x = cp.asarray(np.random.default_rng(0).standard_normal(c.hidden_size).astype(np.float32))
-            self.share_t[:] = 0
-            self.launch(x, 1, sm_shares.STEP0 + sm_shares.STEPS + 1)
-            self.synchronize()
-            self.share_times = sm_shares.times_from_kernel(cp.asnumpy(self.share_t), lay.num_sms)
-            prefix = sm_shares.check(sm_shares.weights_from_times(self.share_times), lay.num_sms, lay.inter)
-            new = dataclasses.replace(lay, share_prefix=prefix)
-            if new.shares != lay.shares:
-                if lay.fused_mlp:
-                    for n in range(c.num_hidden_layers):
-                        self.weights["w_dn"][n] = layout_fused.pack_down_fused(
-                            cp, new, self.weights["w_dn_prefill"][n, :, :lay.inter])
-                self.share_w[:] = cp.asarray(np.asarray(prefix, np.int32))
-            self.layout = new
 
     # ---- allocation ------------------------------------------------------------------------
     def _allocate(self, tensors, progress) -> None:
