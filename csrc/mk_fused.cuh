@@ -117,42 +117,6 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
   }
 }
 #else
-#ifndef MK_FX_GROUP
-#define MK_FX_GROUP 1  // layout option fx_group (flag emitted only when > 1)
-#endif
-#if MK_FX_GROUP > 1
-// fx_group: blocks in groups of MK_FX_GROUP stage their fp32 partial vectors in p.h_buf ([grid][Hp], then one
-// arrival counter per group, zeroed by the host each launch); the group's last block to arrive sums them in
-// block order and adds the group's vector to the accumulator: MK_FX_GROUP times fewer int64 atomics than one
-// vector per block (2048 x 132 per layer on llama-3.2-1b; the timeline probe's MLP barrier took 2.9 µs from
-// the last arrival to the first exit, against 0.7 µs at the O barrier, whose O phase adds 16x fewer).
-MK_DEVICE void fx_group_add(const MkParams& p, float* s_act, long long* acc, unsigned turn) {
-  const int g = blockIdx.x / MK_FX_GROUP, b0 = g * MK_FX_GROUP, nb = min(MK_FX_GROUP, (int)gridDim.x - b0);
-  float* stage = p.h_buf;
-  unsigned* cnt = reinterpret_cast<unsigned*>(p.h_buf + (long long)gridDim.x * MK_HP);
-  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
-    float v = 0.f;
-#pragma unroll
-    for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
-    stage[(long long)blockIdx.x * MK_HP + i] = v;
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned old = atomicAdd(cnt + g, 1u);
-    __threadfence();
-    s_act[0] = old + 1 == (turn + 1) * (unsigned)nb ? 1.f : 0.f;  // (the partials under it are read above)
-  }
-  __syncthreads();
-  if (s_act[0] == 0.f) return;  // (the same for the whole block)
-  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
-    float v = 0.f;
-    for (int b = b0; b < b0 + nb; b++) v += __ldcg(stage + (long long)b * MK_HP + i);  // block order: deterministic
-    atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
-  }
-}
-#endif
-
 // After run_phase<MAT_GU> stored this block's h slice at s_act + kFxH: the down half.
 MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned MK_TL_PARAM) {
   long long* acc = fx_acc(p, turn);
@@ -185,15 +149,11 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
   }
   __syncthreads();
   MK_TL_AT(tl, 13);
-#if MK_FX_GROUP > 1
-  fx_group_add(p, s_act, acc, turn);
-#else
   for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
     float v = 0.f;
 #pragma unroll
     for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
     atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
   }
-#endif
 }
 #endif  // MK_BATCH

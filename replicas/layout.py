@@ -136,7 +136,6 @@ class KernelLayout:
     gu_il: bool = False  # gate/up chunks interleaved per row: one input load per gate+up chunk pair
     o_align: bool = False  # fused_attn_o: O units dealt per kv group to whole blocks (none stages two groups)
     zero_spread: bool = False  # the fused accumulators' zeroing spread over every block (none arrives late)
-    fx_group: int = 0  # fused_mlp, B=1: blocks in groups of fx_group sum their down partials before the atomics
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -149,8 +148,7 @@ class KernelLayout:
                     fused_attn_o: bool = False, max_ring: int = 0, x_perm: bool = False,
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
-                    gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
-                    fx_group: int = 0) -> KernelLayout:
+                    gu_il: bool = False, o_align: bool = False, zero_spread: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -173,7 +171,7 @@ class KernelLayout:
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
-                   o_align=bool(o_align), zero_spread=bool(zero_spread), fx_group=int(fx_group))
+                   o_align=bool(o_align), zero_spread=bool(zero_spread))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -196,11 +194,6 @@ class KernelLayout:
         return lay
 
     # ---- derived shapes -------------------------------------------------------------------
-    @property
-    def fx_groups(self) -> int:
-        """fx_group: the block groups (their counters follow the staged partials in h_buf)."""
-        return -(-self.num_sms // self.fx_group) if self.fx_group > 1 else 0
-
     @property
     def hp(self) -> int:
         return round_up(self.hidden, CHUNK)
@@ -340,9 +333,6 @@ class KernelLayout:
             return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
         if self.zero_spread and not (self.fused_mlp or self.fused_attn_o):
             return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
-        if self.fx_group > 1 and not (self.fused_mlp and self.batch == 1 and self.fx_group <= 16):
-            return (f"fx_group={self.fx_group} groups the fused down's block partials: it needs fused_mlp, batch=1 "
-                    "and a group of 2..16 blocks")
         return None
 
     def _batch_error(self) -> str | None:
@@ -412,8 +402,6 @@ class KernelLayout:
             defs["MK_O_ALIGN"] = 1
         if self.zero_spread:
             defs["MK_ZERO_SPREAD"] = 1
-        if self.fx_group > 1:
-            defs["MK_FX_GROUP"] = self.fx_group
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
@@ -429,8 +417,7 @@ class KernelLayout:
             "xbuf": 2 * b * self.hp,
             "qkv_part": b * self.qkv_rows * s["qkv"],
             "o_part": 2 * b * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
-            # fx_group: [grid][Hp] staged block partials, then one u32 arrival counter per group (csrc/mk_fused.cuh)
-            "h_buf": max(self.ip, self.num_sms * self.hp + self.fx_groups) if self.fx_group > 1 else self.ip,
+            "h_buf": self.ip,
             "dn_part": 4 * b * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,
             "attn_m": b * self.kv_heads * nsplit * self.group,

@@ -109,8 +109,6 @@ class EmuModel:
         w["xbuf"][:] = 0
         w["xbuf"][:self.config.hidden_size] = x_last
         w["dn_part"][:] = 0
-        if lay.fx_group > 1:  # the group arrival counters (after the staged partials)
-            w["h_buf"][lay.num_sms * lay.hp:] = 0
         for a in (self.attn_cnt, self.qkv_done, self.control, self.host_ctrl, self.stop_ids):
             a[:] = 0
         self.stop_ids[:len(stop_ids)] = list(stop_ids)

@@ -229,8 +229,6 @@ class GpuModel:
             w["xbuf"][:] = 0
             w["xbuf"][:self.config.hidden_size] = x_last
             w["dn_part"][:] = 0
-            if lay.fx_group > 1:  # the group arrival counters (after the staged partials)
-                w["h_buf"][lay.num_sms * lay.hp:] = 0
             self.attn_cnt[:] = 0
             self.qkv_done[:] = 0
             self.control[:] = 0
