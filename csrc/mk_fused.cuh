@@ -117,6 +117,62 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
   }
 }
 #else
+// a[e] += h * (bf16 element e of the 16-byte chunk w), in element order
+MK_DEVICE void fma8(float (&a)[8], const uint4& w, float h) {
+  a[0] = fmaf(h, __uint_as_float(w.x << 16), a[0]);
+  a[1] = fmaf(h, __uint_as_float(w.x & 0xffff0000u), a[1]);
+  a[2] = fmaf(h, __uint_as_float(w.y << 16), a[2]);
+  a[3] = fmaf(h, __uint_as_float(w.y & 0xffff0000u), a[3]);
+  a[4] = fmaf(h, __uint_as_float(w.z << 16), a[4]);
+  a[5] = fmaf(h, __uint_as_float(w.z & 0xffff0000u), a[5]);
+  a[6] = fmaf(h, __uint_as_float(w.w << 16), a[6]);
+  a[7] = fmaf(h, __uint_as_float(w.w & 0xffff0000u), a[7]);
+}
+
+#ifndef MK_DN_PASSES
+#define MK_DN_PASSES 1  // layout option dn_passes (flag emitted only when > 1)
+#endif
+#if MK_DN_PASSES > 1
+static_assert(MK_FX_M == 1, "dn_passes: one chunk column per warp, so a warp's down run is its rows in order");
+// dn_passes: the block's down rows in MK_DN_PASSES parts, each part's partial vector added to the accumulator
+// as soon as it is done, so the int64 atomics of the early parts drain while the later parts stream. With one
+// pass the 2,048 x 132 atomics of a layer all land at the phase's end: the timeline probe measured 2.9 µs from
+// the last block's arrival at the MLP barrier to the first exit (0.76 µs without them: fx_group, RESULTS.md).
+MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned MK_TL_PARAM) {
+  long long* acc = fx_acc(p, turn);
+  const float* s_h = s_act + kFxH;
+  __syncthreads();  // h slice complete; the normed x under the partials is dead
+  MK_TL_AT(tl, 12);
+  const bool streams = st.gw >= 0;
+  DownShare s{0, 0, 0, 0};
+  if (streams) s = down_share(st.gw);
+  float* part = s_act + ((threadIdx.x >> 5) / MK_FX_WC) * MK_HP + s.col0 * kChunk + st.lane * 8;
+#pragma unroll 1
+  for (int q = 0; q < MK_DN_PASSES; q++) {
+    if (streams) {
+      float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+      for (int j = s.n * q / MK_DN_PASSES; j < s.n * (q + 1) / MK_DN_PASSES; j++) {
+        const uint4 w = st.take();
+        const float h = s_h[s.a + j];
+        fma8(a, w, h);
+        st.release(p);
+      }
+      *reinterpret_cast<float4*>(part) = make_float4(a[0], a[1], a[2], a[3]);
+      *reinterpret_cast<float4*>(part + 4) = make_float4(a[4], a[5], a[6], a[7]);
+    }
+    __syncthreads();
+    if (q == MK_DN_PASSES - 1) MK_TL_AT(tl, 13);
+    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
+      float v = 0.f;
+#pragma unroll
+      for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
+      atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
+    }
+    if (q + 1 < MK_DN_PASSES) __syncthreads();  // (read before the next part overwrites them)
+  }
+}
+#else
 // After run_phase<MAT_GU> stored this block's h slice at s_act + kFxH: the down half.
 MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned MK_TL_PARAM) {
   long long* acc = fx_acc(p, turn);
@@ -132,14 +188,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
       for (int j = 0; j < s.n; j++) {
         const uint4 w = st.take();
         const float h = s_h[s.a + j];
-        a[0] = fmaf(h, __uint_as_float(w.x << 16), a[0]);
-        a[1] = fmaf(h, __uint_as_float(w.x & 0xffff0000u), a[1]);
-        a[2] = fmaf(h, __uint_as_float(w.y << 16), a[2]);
-        a[3] = fmaf(h, __uint_as_float(w.y & 0xffff0000u), a[3]);
-        a[4] = fmaf(h, __uint_as_float(w.z << 16), a[4]);
-        a[5] = fmaf(h, __uint_as_float(w.z & 0xffff0000u), a[5]);
-        a[6] = fmaf(h, __uint_as_float(w.w << 16), a[6]);
-        a[7] = fmaf(h, __uint_as_float(w.w & 0xffff0000u), a[7]);
+        fma8(a, w, h);
         st.release(p);
       }
       float* dst = part + (s.col0 + k) * kChunk;
@@ -156,4 +205,5 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
     atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
   }
 }
+#endif  // MK_DN_PASSES
 #endif  // MK_BATCH

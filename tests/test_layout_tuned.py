@@ -63,7 +63,10 @@ def test_fused_builds_give_the_unused_staging_to_the_weight_ring():
 
 
 @pytest.mark.parametrize("bad, match", [({"split_pos": 0}, "split_pos=0"), ({"max_ring": 2}, "max_ring=2"),
-                                        ({"max_ring": 64}, "max_ring=64")])
+                                        ({"max_ring": 64}, "max_ring=64"),
+                                        ({"dn_passes": 2}, "dn_passes=2: .* needs fused_mlp"),
+                                        ({"dn_passes": 5, "fused_mlp": True}, "dn_passes=5"),
+                                        ({"dn_passes": 2, "fused_mlp": True, "fused_attn_o": True, "batch": 4}, "dn_passes=2: .* batch=1")])
 def test_bad_tuning_values_are_refused(bad, match):
     with pytest.raises(LayoutError, match=match):
         KernelLayout.from_config(preset_config("tiny"), 64, **bad)
