@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# The next single-GPU call (issue 3), ONE H200: layout option dn_passes (the fused down's rows in N parts, each
-# part's int64 atomics issued when it is done, so they drain while the rest streams; session 6 found the MLP
-# barrier's 2.9 µs release to be those atomics: 0.76 µs without them, RESULTS.md "fx_group").
-# Prediction: release 2.9 -> ~1.5 µs, +1..2% on 1B, less on 8B.
-# 1. A/B on 1B (N = 2, 3) and 8B (N = 2); 2. gpu tests on N = 2; 3. timeline on N = 2;
-# 4. the official decode run with the best N if it gained > 0.5% on 1B (else the default)
+# The next single-GPU call (issue 3), ONE H200, two candidates from session 6's timeline probe:
+#   dn_passes=N  the fused down's rows in N parts, each part's int64 atomics issued when it is done, so they drain
+#                while the rest streams (the MLP barrier's 2.9 µs release is those atomics: 0.76 µs without them,
+#                RESULTS.md "fx_group"). Prediction: release 2.9 -> ~1.5 µs, +1..2% on 1B, less on 8B.
+#   norm_early   the prologues' RMSNorm weights loaded with the residual, not after the block reduction (QKV / MLP
+#                prologues 2.0 / 1.85 µs with per-layer weights, the LM head's 0.93 µs). Prediction: -0.8 µs per
+#                prologue, +2..3% on 1B, +1% on 8B, batch builds too; bit-identical tokens.
+# 1. A/B on 1B and 8B; 2. gpu tests on both; 3. batch A/B (B = 4) and batch gpu tests on norm_early;
+# 4. timeline on both; 5. the official decode run with the best 1B variant if it gained > 0.5% (else the default)
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash bench/h200_next_single.sh")
 set -u
 DEADLINE=${DEADLINE:-585}
 . bench/device_stage.sh
 RES=/tmp/mk_next1; mkdir -p "$RES"
-stage ab_1b 110 python3 bench/decode.py --presets llama-3.2-1b --ab dn_passes=2 dn_passes=3 --runs 3 --new-tokens 256 --out "$RES/1b"
-stage ab_8b 80 python3 bench/decode.py --presets llama-3.1-8b --ab dn_passes=2 --runs 3 --new-tokens 256 --out "$RES/8b"
-MK_TEST_LAYOUT=dn_passes=2 stage tests 100 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider \
+stage ab_1b 130 python3 bench/decode.py --presets llama-3.2-1b --ab dn_passes=2 dn_passes=3 norm_early norm_early+dn_passes=2 --runs 3 --new-tokens 256 --out "$RES/1b"
+stage ab_8b 80 python3 bench/decode.py --presets llama-3.1-8b --ab norm_early norm_early+dn_passes=2 --runs 3 --new-tokens 256 --out "$RES/8b"
+MK_TEST_LAYOUT=norm_early=1,dn_passes=2 stage tests 100 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider \
   tests/test_monokernel_gpu.py -k "tiny or llama"
-stage tl 40 python3 bench/timeline_probe.py --options '{"dn_passes": 2}' --out "$RES/tl"
+stage batch_ab 60 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --variants norm_early --out "$RES/b4"
+MK_BATCH_TEST_LAYOUT=norm_early=1 stage batch_tests 90 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider \
+  tests/test_monokernel_batch_gpu.py -k "llama"
+stage tl 40 python3 bench/timeline_probe.py --options '{"dn_passes": 2, "norm_early": true}' --out "$RES/tl"
 LAYOUT=$(python3 - "$RES/1b/ab.json" <<'PY'
 import json, statistics, sys
 try:
@@ -31,5 +37,5 @@ echo "official layout: '${LAYOUT}'" >> "$OUT/summary.txt"
 stage official 240 python3 bench/decode.py --presets llama-3.2-1b llama-3.1-8b --runs 5 --ttft 32 512 2000 \
   ${LAYOUT:+--layout $LAYOUT} --out "$RES/dec"
 cp "$RES/tl/timeline.json" "$OUT/tl_dn.json" 2>/dev/null; cp "$RES/dec/decode.json" "$OUT/" 2>/dev/null
-{ echo "total ${SECONDS}s"; echo; cat "$RES/1b/ab.md" "$RES/8b/ab.md" "$RES/dec/decode.md" 2>/dev/null; } >> "$OUT/summary.txt"
-cat "$OUT/summary.txt"; grep -E "^(gate|down|mlp|lm)|^barrier" "$RES/tl/timeline.txt"; tail -n 2 "$OUT/tests.log"
+{ echo "total ${SECONDS}s"; echo; cat "$RES/1b/ab.md" "$RES/8b/ab.md" "$RES/b4/batch.md" "$RES/dec/decode.md" 2>/dev/null; } >> "$OUT/summary.txt"
+cat "$OUT/summary.txt"; grep -E "^(gate|down|mlp|lm)|^barrier" "$RES/tl/timeline.txt"; tail -n 2 "$OUT/tests.log" "$OUT/batch_tests.log"

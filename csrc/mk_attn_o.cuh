@@ -153,10 +153,12 @@ MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const floa
   const long long* acc = ao_acc(p, slot);
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   float v[kIt];
+  MK_NW_DECL
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < kIt; k++) {
     const int i = threadIdx.x + k * MK_THREADS;
+    MK_NW_LOAD(k, i)
     float x = 0.f;
     if (i < MK_H) {
       x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(acc + i)) * kAoInv;
@@ -171,7 +173,7 @@ MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const floa
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      act_store(s_act, slot, i, i < MK_H ? v[k] * r * w[i] : 0.f);
+      act_store(s_act, slot, i, i < MK_H ? v[k] * r * MK_NW(k, i) : 0.f);
     }
   }
   __syncthreads();

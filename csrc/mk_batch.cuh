@@ -51,6 +51,9 @@ template <class Load, class Dst>
 MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const float* w, float* s_act, float* s_red) {
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  MK_NW_DECL
+#pragma unroll
+  for (int k = 0; k < kIt; k++) { MK_NW_LOAD(k, threadIdx.x + k * MK_THREADS) }
   float ss[kB];
 #pragma unroll
   for (int b = 0; b < kB; b++) {
@@ -86,7 +89,7 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
       if (i < MK_HP) {
         const float x = i < MK_H ? load(b, i) : 0.f;
         if (i < MK_H && dst && blockIdx.x == 0) dst[i] = x;
-        act_store(s_act, b, i, i < MK_H ? x * r * w[i] : 0.f);
+        act_store(s_act, b, i, i < MK_H ? x * r * MK_NW(k, i) : 0.f);
       }
     }
   }

@@ -147,6 +147,23 @@ MK_DEVICE unsigned ld_acquire(const unsigned* p) {
 MK_DEVICE void wait_reach(const unsigned* p, unsigned target) {
   while ((int)(ld_acquire(p) - target) < 0) { }
 }
+#ifndef MK_NORM_EARLY
+#define MK_NORM_EARLY 0  // layout option norm_early (flag emitted only when on)
+#endif
+// The residual prologues' RMSNorm weights: with MK_NORM_EARLY loaded with the residual and partials (one L2
+// round trip), not after the block reduction (a second one on the critical path: the timeline probe measured
+// the QKV / MLP prologues, per-layer weights, at 2.0 / 1.85 µs and the LM head's, one weight vector every step
+// so mostly in L1, at 0.93 µs). Used inside a prologue's loops over k < kIt (element i = thread + k * threads).
+#if MK_NORM_EARLY
+#define MK_NW_DECL float nw_[kIt];
+#define MK_NW_LOAD(k, i) nw_[k] = (i) < MK_H ? w[i] : 0.f;
+#define MK_NW(k, i) nw_[k]
+#else
+#define MK_NW_DECL
+#define MK_NW_LOAD(k, i)
+#define MK_NW(k, i) w[i]
+#endif
+
 #ifndef MK_ZERO_SPREAD
 #define MK_ZERO_SPREAD 0  // layout option zero_spread (flag emitted only when on)
 #endif

@@ -33,10 +33,12 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
                                 float* s_act, float* s_red) {
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   float v[kIt];
+  MK_NW_DECL
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < kIt; k++) {
     const int i = threadIdx.x + k * MK_THREADS;
+    MK_NW_LOAD(k, i)
     float x = 0.f;
     if (i < MK_H) x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(acc + i)) * kFxInv;
     v[k] = x;
@@ -48,7 +50,7 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      act_store(s_act, 0, i, i < MK_H ? v[k] * r * w[i] : 0.f);
+      act_store(s_act, 0, i, i < MK_H ? v[k] * r * MK_NW(k, i) : 0.f);
     }
   }
   __syncthreads();

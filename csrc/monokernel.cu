@@ -36,10 +36,12 @@ MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const f
                              const float* bias, float* xdst, const float* w, float* s_act, float* s_red) {
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   float v[kIt];
+  MK_NW_DECL
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < kIt; k++) {
     const int i = threadIdx.x + k * MK_THREADS;
+    MK_NW_LOAD(k, i)
     float x = 0.f;
     if (i < MK_H) {
       x = emb_row ? bf16_to_f32(emb_row[i]) : __ldcg(xsrc + i);
@@ -56,7 +58,7 @@ MK_DEVICE void residual_norm(const float* xsrc, const uint16_t* emb_row, const f
     const int i = threadIdx.x + k * MK_THREADS;
     if (i < MK_HP) {
       if (i < MK_H && xdst && blockIdx.x == 0) xdst[i] = v[k];
-      act_store(s_act, 0, i, i < MK_H ? v[k] * r * w[i] : 0.f);
+      act_store(s_act, 0, i, i < MK_H ? v[k] * r * MK_NW(k, i) : 0.f);
     }
   }
   __syncthreads();

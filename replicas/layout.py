@@ -136,6 +136,7 @@ class KernelLayout:
     gu_il: bool = False  # gate/up chunks interleaved per row: one input load per gate+up chunk pair
     o_align: bool = False  # fused_attn_o: O units dealt per kv group to whole blocks (none stages two groups)
     zero_spread: bool = False  # the fused accumulators' zeroing spread over every block (none arrives late)
+    norm_early: bool = False  # the prologues load their RMSNorm weights with the residual (one L2 round trip)
     dn_passes: int = 1  # fused_mlp, B=1: the block's down rows in parts, each part's atomics issued when it is done
 
     # ---- construction ---------------------------------------------------------------------
@@ -150,7 +151,7 @@ class KernelLayout:
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
-                    dn_passes: int = 1) -> KernelLayout:
+                    dn_passes: int = 1, norm_early: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -173,7 +174,8 @@ class KernelLayout:
                    fused_attn_o=bool(fused_attn_o), max_ring=int(max_ring), x_perm=bool(x_perm),
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
-                   o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes))
+                   o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
+                   norm_early=bool(norm_early))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -411,6 +413,8 @@ class KernelLayout:
             defs["MK_ZERO_SPREAD"] = 1
         if self.dn_passes > 1:
             defs["MK_DN_PASSES"] = self.dn_passes
+        if self.norm_early:
+            defs["MK_NORM_EARLY"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

@@ -130,6 +130,26 @@ def test_dn_passes_builds_add_the_down_in_parts_and_keep_the_numbers(passes):
     assert base.generate_greedy(ids[:8], 6) == parts.generate_greedy(ids[:8], 6)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_norm_early_builds_compute_the_default_builds_numbers(batch):
+    """norm_early only moves the RMSNorm weight loads of the residual prologues (QKV, MLP, LM head, the
+    embedding's) before the block reduction: the same arithmetic, so bit-identical logits."""
+    from replicas.monokernel_emu import EmuModel
+
+    cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=256, num_attention_heads=8)
+    ids = np.random.default_rng(16).integers(0, cfg.vocab_size, 24).tolist()
+    opts = {"batch": batch} if batch > 1 else {}
+    base = EmuModel(cfg, tensors, layout_options=opts or None)
+    early = EmuModel(cfg, tensors, layout_options={**opts, "norm_early": True})
+    assert "-DMK_NORM_EARLY=1" in early.layout.compile_flags()
+    if batch == 1:
+        want, got = base.forward_logits(ids), early.forward_logits(ids)
+    else:
+        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
+        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(early.forward_logits_slots(seqs))
+    assert np.abs(want).max() > 0 and np.array_equal(want, got)
+
+
 def test_the_kernel_writes_the_prefills_kv_rows(tiny):
     """K/V rows the kernel appends equal what a prefill of the whole sequence computes for them (within
     bf16 rounding: 1e-2, mma 2e-2), rows it was given stay, and nothing else is written."""
