@@ -36,6 +36,20 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def logits_pair(cfg, tensors, ids, batch: int, options: dict, num_sms: int = 4, base_options: dict | None = None):
+    """Teacher-forced logits of the default build (+ `base_options`) and of the default + `options` (batch > 1:
+    three slots of one launch, stacked), both emulated on `num_sms` blocks; then the second model."""
+    from replicas.monokernel_emu import EmuModel
+
+    opts = {"batch": batch} if batch > 1 else {}
+    base = EmuModel(cfg, tensors, layout_options={**opts, **(base_options or {})} or None, num_sms=num_sms)
+    other = EmuModel(cfg, tensors, layout_options={**opts, **options}, num_sms=num_sms)
+    if batch == 1:
+        return base.forward_logits(ids), other.forward_logits(ids), other
+    seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
+    return np.stack(base.forward_logits_slots(seqs)), np.stack(other.forward_logits_slots(seqs)), other
+
+
 @pytest.mark.parametrize("options", [None, {"mma": True}], ids=["default", "mma"])
 def test_teacher_forced_logits_and_greedy_tokens_match_the_reference(tiny, options):
     from replicas.engine import SamplingParams
@@ -69,20 +83,13 @@ def test_div32_param_value_and_gu_il_builds_compute_the_default_builds_numbers(b
     interleaved, one input load per pair) sums in the same order, so the logits are bit-identical;
     param_value only changes how the block reaches the kernel (the emulation passes a pointer either
     way, so here it checks that the flag compiles and changes nothing else)."""
-    from replicas.monokernel_emu import EmuModel
 
     # hidden 512: two chunks per gate row, so the interleaved order really differs from the plain one
     cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=256, num_attention_heads=8)
     assert cfg.hidden_size // 256 == 2
     ids = np.random.default_rng(11).integers(0, cfg.vocab_size, 24).tolist()
-    opts = {"batch": batch} if batch > 1 else {}
-    base = EmuModel(cfg, tensors, layout_options=opts or None)
-    lean = EmuModel(cfg, tensors, layout_options={**opts, "div32": True, "param_value": True, "gu_il": True})
-    if batch == 1:
-        want, got = base.forward_logits(ids), lean.forward_logits(ids)
-    else:
-        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
-        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(lean.forward_logits_slots(seqs))
+    on = {"div32": True, "param_value": True, "gu_il": True}  # (div32 and param_value are engine defaults)
+    want, got, _ = logits_pair(cfg, tensors, ids, batch, on, base_options={k: False for k in on})
     assert np.abs(want).max() > 0 and np.array_equal(want, got)
 
 
@@ -92,23 +99,16 @@ def test_o_align_and_zero_spread_builds_compute_the_default_builds_numbers(batch
     from every block: only who does the work changes, and the O / MLP results are int64 fixed-point sums
     (exact in any order), so the logits must be bit-identical. 6 blocks and 4 kv groups: evenly dealt,
     blocks 1 and 4 straddle a group boundary, so the aligned dealing really differs."""
-    from replicas.monokernel_emu import EmuModel
-
     cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=256, intermediate_size=512,
                                    num_attention_heads=8, num_key_value_heads=4)
     warps, units = 6 * 16, 4 * 256  # streaming warps, O units (kv group-major: 256 rows per group)
     straddle = [b for b in range(6) if (units * 16 * b // warps) // 256 != (units * 16 * (b + 1) // warps - 1) // 256]
     assert straddle == [1, 4]
     ids = np.random.default_rng(12).integers(0, cfg.vocab_size, 24).tolist()
-    opts = {"batch": batch} if batch > 1 else {}
-    base = EmuModel(cfg, tensors, layout_options=opts or None, num_sms=6)
-    aligned = EmuModel(cfg, tensors, layout_options={**opts, "o_align": True, "zero_spread": True}, num_sms=6)
+    # (the default build has o_align and zero_spread since session 6: compare against both off)
+    on = {"o_align": True, "zero_spread": True}
+    want, got, aligned = logits_pair(cfg, tensors, ids, batch, on, num_sms=6, base_options={k: False for k in on})
     assert aligned.layout.o_align and "-DMK_O_ALIGN=1" in aligned.layout.compile_flags()
-    if batch == 1:
-        want, got = base.forward_logits(ids), aligned.forward_logits(ids)
-    else:
-        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
-        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(aligned.forward_logits_slots(seqs))
     assert np.abs(want).max() > 0 and np.array_equal(want, got)
 
 
@@ -134,19 +134,10 @@ def test_dn_passes_builds_add_the_down_in_parts_and_keep_the_numbers(passes):
 def test_norm_early_builds_compute_the_default_builds_numbers(batch):
     """norm_early only moves the RMSNorm weight loads of the residual prologues (QKV, MLP, LM head, the
     embedding's) before the block reduction: the same arithmetic, so bit-identical logits."""
-    from replicas.monokernel_emu import EmuModel
-
     cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=256, num_attention_heads=8)
     ids = np.random.default_rng(16).integers(0, cfg.vocab_size, 24).tolist()
-    opts = {"batch": batch} if batch > 1 else {}
-    base = EmuModel(cfg, tensors, layout_options=opts or None)
-    early = EmuModel(cfg, tensors, layout_options={**opts, "norm_early": True})
+    want, got, early = logits_pair(cfg, tensors, ids, batch, {"norm_early": True})
     assert "-DMK_NORM_EARLY=1" in early.layout.compile_flags()
-    if batch == 1:
-        want, got = base.forward_logits(ids), early.forward_logits(ids)
-    else:
-        seqs = [ids, ids[::-1], ids[3:] + ids[:3]]
-        want, got = np.stack(base.forward_logits_slots(seqs)), np.stack(early.forward_logits_slots(seqs))
     assert np.abs(want).max() > 0 and np.array_equal(want, got)
 
 
