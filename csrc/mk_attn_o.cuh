@@ -54,6 +54,65 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
   __syncthreads();
 }
 
+#ifndef MK_AO_PRELOAD
+#define MK_AO_PRELOAD 0  // layout option ao_preload (single-sequence builds; flag emitted only when on)
+#endif
+#if MK_AO_PRELOAD
+static_assert(MK_BATCH == 1, "ao_preload: single-sequence builds (batch builds stage slots with ao_slots)");
+// ao_combine_group with the split outputs loaded before the split statistics' round trip instead of after it
+// (both are L2 reads of what the attention blocks published; the timeline probe measured the O stage at 2.5 µs
+// per layer). kParts threads share an output element (even / odd splits when the block has 2 per element),
+// each holding up to kPre splits in registers; their sums are added in part order (deterministic; with one part
+// the same order as ao_combine_group).
+constexpr int kAoParts = MK_THREADS >= 2 * MK_AO_GDP ? 2 : 1;
+constexpr int kAoPre = 16 / kAoParts;
+static_assert(kAoW + 2 * kGroup * MK_MAX_SPLITS + MK_AO_GDP <= MK_ACT_FLOATS, "ao_preload scratch");
+MK_DEVICE void ao_combine_group_pre(const MkParams& p, int nsplit, int g, float* s_act, float* s_w) {
+  const int tid = threadIdx.x, cap = split_capacity();
+  const int i = tid % MK_AO_GDP, part = tid / MK_AO_GDP, h = i / MK_D, d = i % MK_D;
+  const bool mine = part < kAoParts && i < kGroup * MK_D;
+  const float* o = p.attn_o + ((long long)g * cap * kGroup + h) * MK_D + d;
+  float pre[kAoPre];
+#pragma unroll
+  for (int k = 0; k < kAoPre; k++) {
+    const int s = part + k * kAoParts;
+    pre[k] = mine && s < nsplit ? __ldcg(o + (long long)s * kGroup * MK_D) : 0.f;
+  }
+  for (int j = tid; j < kGroup * nsplit; j += MK_THREADS) {
+    const int hh = j / nsplit, s = j % nsplit;
+    const long long b = ((long long)g * cap + s) * kGroup + hh;
+    s_w[j] = __ldcg(p.attn_m + b);
+    s_w[kGroup * nsplit + j] = __ldcg(p.attn_l + b);
+  }
+  __syncthreads();
+  for (int hh = tid; hh < kGroup; hh += MK_THREADS) {
+    float M = -INFINITY, den = 0.f;
+    for (int s = 0; s < nsplit; s++) M = fmaxf(M, s_w[hh * nsplit + s]);
+    for (int s = 0; s < nsplit; s++) den += __expf(s_w[hh * nsplit + s] - M) * s_w[kGroup * nsplit + hh * nsplit + s];
+    for (int s = 0; s < nsplit; s++) s_w[hh * nsplit + s] = __expf(s_w[hh * nsplit + s] - M) / den;
+  }
+  __syncthreads();
+  float acc = 0.f;
+  if (mine) {
+#pragma unroll
+    for (int k = 0; k < kAoPre; k++) {
+      const int s = part + k * kAoParts;
+      if (s < nsplit) acc += s_w[h * nsplit + s] * pre[k];
+    }
+    for (int s = part + kAoPre * kAoParts; s < nsplit; s += kAoParts)  // (more splits than registers)
+      acc += s_w[h * nsplit + s] * __ldcg(o + (long long)s * kGroup * MK_D);
+  }
+  float* s_part = s_w + 2 * kGroup * MK_MAX_SPLITS;  // [GDp] the other parts' sums
+  if (kAoParts > 1) {
+    if (part == 1) s_part[i] = acc;
+    __syncthreads();
+    if (part == 0) acc += s_part[i];
+  }
+  if (part == 0) act_store(s_act, 0, i, acc, g * MK_AO_GDP);
+  __syncthreads();
+}
+#endif
+
 #ifndef MK_AO_SLOTS
 #define MK_AO_SLOTS 0  // layout option ao_slots (batch builds; flag emitted only when on)
 #endif
@@ -117,6 +176,8 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
     __syncthreads();
 #if MK_BATCH > 1 && MK_AO_SLOTS
     ao_combine_group_slots(p, step, live, g, s_act, s_w);  // (a finished slot's dots are skipped: nothing staged)
+#elif MK_AO_PRELOAD
+    ao_combine_group_pre(p, num_splits(slot_pos(p, 0, step) + 1), g, s_act, s_w);
 #else
 #pragma unroll 1
     for (int b = 0; b < kB; b++) {

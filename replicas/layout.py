@@ -137,6 +137,7 @@ class KernelLayout:
     o_align: bool = False  # fused_attn_o: O units dealt per kv group to whole blocks (none stages two groups)
     zero_spread: bool = False  # the fused accumulators' zeroing spread over every block (none arrives late)
     norm_early: bool = False  # the prologues load their RMSNorm weights with the residual (one L2 round trip)
+    ao_preload: bool = False  # fused_attn_o, B=1: the O stage loads split outputs and statistics together
     dn_passes: int = 1  # fused_mlp, B=1: the block's down rows in parts, each part's atomics issued when it is done
 
     # ---- construction ---------------------------------------------------------------------
@@ -151,7 +152,7 @@ class KernelLayout:
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
-                    dn_passes: int = 1, norm_early: bool = False) -> KernelLayout:
+                    dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -175,7 +176,7 @@ class KernelLayout:
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
                    o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
-                   norm_early=bool(norm_early))
+                   norm_early=bool(norm_early), ao_preload=bool(ao_preload))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -337,6 +338,10 @@ class KernelLayout:
             return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
         if self.zero_spread and not (self.fused_mlp or self.fused_attn_o):
             return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
+        if self.ao_preload and not (self.fused_attn_o and self.batch == 1):
+            return "ao_preload changes fused_attn_o's single-sequence O stage: it needs fused_attn_o and batch=1"
+        if self.ao_preload and layout_attn_o.act_floats(self) + layout_attn_o.group_len(self) > self.act_floats:
+            return "ao_preload: no room for its staging scratch in this model's activation buffer; drop ao_preload"
         if self.dn_passes != 1:
             geometry = layout_fused.down_geometry(self.hp, self.warps_per_block) if self.fused_mlp else None
             if not (2 <= self.dn_passes <= 4 and self.batch == 1 and geometry is not None and geometry[2] == 1):
@@ -415,6 +420,8 @@ class KernelLayout:
             defs["MK_DN_PASSES"] = self.dn_passes
         if self.norm_early:
             defs["MK_NORM_EARLY"] = 1
+        if self.ao_preload:
+            defs["MK_AO_PRELOAD"] = 1
         if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
             defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
                          "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})

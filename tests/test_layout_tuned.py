@@ -66,7 +66,10 @@ def test_fused_builds_give_the_unused_staging_to_the_weight_ring():
                                         ({"max_ring": 64}, "max_ring=64"),
                                         ({"dn_passes": 2}, "dn_passes=2: .* needs fused_mlp"),
                                         ({"dn_passes": 5, "fused_mlp": True}, "dn_passes=5"),
-                                        ({"dn_passes": 2, "fused_mlp": True, "fused_attn_o": True, "batch": 4}, "dn_passes=2: .* batch=1")])
+                                        ({"dn_passes": 2, "fused_mlp": True, "fused_attn_o": True, "batch": 4}, "dn_passes=2: .* batch=1"),
+                                        ({"ao_preload": True}, "ao_preload .* needs fused_attn_o and batch=1"),
+                                        ({"ao_preload": True, "fused_mlp": True, "fused_attn_o": True, "batch": 2},
+                                         "ao_preload .* batch=1")])
 def test_bad_tuning_values_are_refused(bad, match):
     with pytest.raises(LayoutError, match=match):
         KernelLayout.from_config(preset_config("tiny"), 64, **bad)

@@ -95,10 +95,10 @@ def test_replica_cli_process_serves_and_drains_on_sigterm(tiny_checkpoint):
             assert info.engine_kind == "paced" and info.model_name == tiny_checkpoint.name
             call = stub.Generate(replica_pb2.ReplicaGenerateRequest(
                 prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(max_tokens=50)))
-            next(call)
+            first = next(call)  # (a chunk: one token, or more when the server coalesced them under load)
             proc.send_signal(signal.SIGTERM)  # drains: the running request still completes
             tokens, final = collect(call)
-            assert len(tokens) == 49 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert len(first.chunk.token_ids) + len(tokens) == 50 and final.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
