@@ -22,11 +22,10 @@ static_assert(MK_BATCH == 1 || MK_NKV * MK_AO_GDP <= kActVec, "a slot's O input 
 // o_part: one int64 [Hp] accumulator per slot
 MK_DEVICE long long* ao_acc(const MkParams& p, int b = 0) { return reinterpret_cast<long long*>(p.o_part) + (long long)b * MK_HP; }
 
-// combine_attention restricted to kv group g (same arithmetic, so the same values), staged as slot
-// `slot`'s matvec input elements [g * GDp, (g + 1) * GDp) (zero padded; act_store); split weights in scratch s_w.
-MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_act, float* s_w, int slot = 0) {
+// Group g's split weights into s_w[h * nsplit + s] (softmax over the splits' maxima and sums; partials from
+// index sb on), through shared memory; ends with a block barrier.
+MK_DEVICE void ao_split_weights(const MkParams& p, int nsplit, int g, long long sb, float* s_w) {
   const int tid = threadIdx.x, cap = split_capacity();
-  const long long sb = (long long)slot * MK_NKV * cap * kGroup;  // the slot's first partial
   for (int i = tid; i < kGroup * nsplit; i += MK_THREADS) {
     const int h = i / nsplit, s = i % nsplit;
     const long long b = sb + ((long long)g * cap + s) * kGroup + h;
@@ -41,6 +40,14 @@ MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_a
     for (int s = 0; s < nsplit; s++) s_w[h * nsplit + s] = __expf(s_w[h * nsplit + s] - M) / den;
   }
   __syncthreads();
+}
+
+// combine_attention restricted to kv group g (same arithmetic, so the same values), staged as slot
+// `slot`'s matvec input elements [g * GDp, (g + 1) * GDp) (zero padded; act_store); split weights in scratch s_w.
+MK_DEVICE void ao_combine_group(const MkParams& p, int nsplit, int g, float* s_act, float* s_w, int slot = 0) {
+  const int tid = threadIdx.x, cap = split_capacity();
+  const long long sb = (long long)slot * MK_NKV * cap * kGroup;  // the slot's first partial
+  ao_split_weights(p, nsplit, g, sb, s_w);
   for (int i = tid; i < MK_AO_GDP; i += MK_THREADS) {
     float acc = 0.f;
     if (i < kGroup * MK_D) {
@@ -78,20 +85,7 @@ MK_DEVICE void ao_combine_group_pre(const MkParams& p, int nsplit, int g, float*
     const int s = part + k * kAoParts;
     pre[k] = mine && s < nsplit ? __ldcg(o + (long long)s * kGroup * MK_D) : 0.f;
   }
-  for (int j = tid; j < kGroup * nsplit; j += MK_THREADS) {
-    const int hh = j / nsplit, s = j % nsplit;
-    const long long b = ((long long)g * cap + s) * kGroup + hh;
-    s_w[j] = __ldcg(p.attn_m + b);
-    s_w[kGroup * nsplit + j] = __ldcg(p.attn_l + b);
-  }
-  __syncthreads();
-  for (int hh = tid; hh < kGroup; hh += MK_THREADS) {
-    float M = -INFINITY, den = 0.f;
-    for (int s = 0; s < nsplit; s++) M = fmaxf(M, s_w[hh * nsplit + s]);
-    for (int s = 0; s < nsplit; s++) den += __expf(s_w[hh * nsplit + s] - M) * s_w[kGroup * nsplit + hh * nsplit + s];
-    for (int s = 0; s < nsplit; s++) s_w[hh * nsplit + s] = __expf(s_w[hh * nsplit + s] - M) / den;
-  }
-  __syncthreads();
+  ao_split_weights(p, nsplit, g, 0, s_w);
   float acc = 0.f;
   if (mine) {
 #pragma unroll
