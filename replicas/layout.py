@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replicas import layout_attn_o, layout_fused, layout_mma
+from replicas import layout_attn_o, layout_fused, layout_mma, layout_options
 from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter block and control words)
     PARAM_FIELDS,
     TP_PARAM_FIELDS,
@@ -184,7 +184,7 @@ class KernelLayout:
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
         if tp_error := (base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base)
-                        or layout_mma.mma_error(base) or base._gu_il_error()):
+                        or layout_mma.mma_error(base) or layout_options.option_error(base)):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
@@ -322,31 +322,6 @@ class KernelLayout:
             return "tp_skip_allreduce needs tp > 1"
         if not self.vocab <= self.vocab_total <= self.tp * self.vocab:
             return f"vocab_total={self.vocab_total} does not fit {self.tp} slices of {self.vocab}"
-        return None
-
-    def _gu_il_error(self) -> str | None:
-        if not self.gu_il:
-            return self._o_align_error()
-        if self.tp > 1:
-            return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
-        if self.mma:
-            return "gu_il and mma both order gate/up for the kernel (mma's tiles already alternate): choose one"
-        return self._o_align_error()
-
-    def _o_align_error(self) -> str | None:
-        if self.o_align and not self.fused_attn_o:
-            return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
-        if self.zero_spread and not (self.fused_mlp or self.fused_attn_o):
-            return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
-        if self.ao_preload and not (self.fused_attn_o and self.batch == 1):
-            return "ao_preload changes fused_attn_o's single-sequence O stage: it needs fused_attn_o and batch=1"
-        if self.ao_preload and layout_attn_o.act_floats(self) + layout_attn_o.group_len(self) > self.act_floats:
-            return "ao_preload: no room for its staging scratch in this model's activation buffer; drop ao_preload"
-        if self.dn_passes != 1:
-            geometry = layout_fused.down_geometry(self.hp, self.warps_per_block) if self.fused_mlp else None
-            if not (2 <= self.dn_passes <= 4 and self.batch == 1 and geometry is not None and geometry[2] == 1):
-                return (f"dn_passes={self.dn_passes}: the fused down in 2..4 parts needs fused_mlp, batch=1 and one "
-                        "chunk column per warp (hidden/256 <= the streaming warps); use dn_passes=1")
         return None
 
     def _batch_error(self) -> str | None:

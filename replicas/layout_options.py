@@ -1,0 +1,28 @@
+"""Refusals of the layout's tuning options (replicas/layout.py calls `option_error` in from_config): each
+option that refines another path says which path it needs, so a bad combination fails before any compile."""
+
+from __future__ import annotations
+
+from replicas import layout_attn_o, layout_fused
+
+
+def option_error(lay) -> str | None:
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes, or None."""
+    if lay.gu_il and lay.tp > 1:
+        return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
+    if lay.gu_il and lay.mma:
+        return "gu_il and mma both order gate/up for the kernel (mma's tiles already alternate): choose one"
+    if lay.o_align and not lay.fused_attn_o:
+        return "o_align deals fused_attn_o's kv-group-major O units to whole blocks: it needs fused_attn_o"
+    if lay.zero_spread and not (lay.fused_mlp or lay.fused_attn_o):
+        return "zero_spread changes how the fused accumulators are zeroed: it needs fused_mlp or fused_attn_o"
+    if lay.ao_preload and not (lay.fused_attn_o and lay.batch == 1):
+        return "ao_preload changes fused_attn_o's single-sequence O stage: it needs fused_attn_o and batch=1"
+    if lay.ao_preload and layout_attn_o.act_floats(lay) + layout_attn_o.group_len(lay) > lay.act_floats:
+        return "ao_preload: no room for its staging scratch in this model's activation buffer; drop ao_preload"
+    if lay.dn_passes != 1:
+        geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
+        if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):
+            return (f"dn_passes={lay.dn_passes}: the fused down in 2..4 parts needs fused_mlp, batch=1 and one "
+                    "chunk column per warp (hidden/256 <= the streaming warps); use dn_passes=1")
+    return None
