@@ -9,7 +9,7 @@
 #   ao_preload   the O stage loads the attention splits' outputs before their statistics' round trip (2.5 µs per
 #                layer). Prediction: -0.5..-0.8 µs per layer, +1..1.5% on 1B; spills 16 -> 40 bytes (1B).
 # 1. A/B on 1B and 8B; 2. gpu tests on both; 3. batch A/B (B = 4) and batch gpu tests on norm_early;
-# 4. timeline on both; 5. the official decode run with the best 1B variant if it gained > 0.5% (else the default)
+# 4. timelines: the batched engine at 4 of 4 slots (issue 9's per-slot costs), the candidates together; 5. the official decode run with the best 1B variant if it gained > 0.5% (else the default)
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash bench/h200_next_single.sh")
 set -u
 DEADLINE=${DEADLINE:-585}
@@ -22,6 +22,7 @@ MK_TEST_LAYOUT=norm_early=1,ao_preload=1,dn_passes=2 stage tests 100 python3 -m 
 stage batch_ab 60 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --variants norm_early --out "$RES/b4"
 MK_BATCH_TEST_LAYOUT=norm_early=1 stage batch_tests 90 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider \
   tests/test_monokernel_batch_gpu.py -k "llama"
+stage tl_b4 40 python3 bench/timeline_probe.py --batch 4 --requests 4 --out "$RES/tlb4"  # issue 9: per-slot costs
 stage tl 40 python3 bench/timeline_probe.py --options '{"dn_passes": 2, "norm_early": true, "ao_preload": true}' --out "$RES/tl"
 LAYOUT=$(python3 - "$RES/1b/ab.json" <<'PY'
 import json, statistics, sys
@@ -38,6 +39,6 @@ PY
 echo "official layout: '${LAYOUT}'" >> "$OUT/summary.txt"
 stage official 240 python3 bench/decode.py --presets llama-3.2-1b llama-3.1-8b --runs 5 --ttft 32 512 2000 \
   ${LAYOUT:+--layout $LAYOUT} --out "$RES/dec"
-cp "$RES/tl/timeline.json" "$OUT/tl_dn.json" 2>/dev/null; cp "$RES/dec/decode.json" "$OUT/" 2>/dev/null
+cp "$RES/tl/timeline.json" "$OUT/tl_dn.json" 2>/dev/null; cp "$RES/tlb4/timeline.json" "$OUT/tl_b4.json" 2>/dev/null; cp "$RES/dec/decode.json" "$OUT/" 2>/dev/null
 { echo "total ${SECONDS}s"; echo; cat "$RES/1b/ab.md" "$RES/8b/ab.md" "$RES/b4/batch.md" "$RES/dec/decode.md" 2>/dev/null; } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"; grep -E "^(gate|down|mlp|lm)|^barrier" "$RES/tl/timeline.txt"; tail -n 2 "$OUT/tests.log" "$OUT/batch_tests.log"

@@ -106,10 +106,38 @@ def report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def run_together(eng, n: int, n_new: int) -> tuple[float, int]:
+    """n greedy requests on the batched engine at once: (seconds from the last first token to the end, tokens
+    of one request)."""
+    import threading
+    import time
+
+    from replicas.engine import SamplingParams
+
+    q = SamplingParams(max_tokens=n_new, ignore_eos=True)
+    gens = [eng.generate([(100 + 37 * k + i) % 1000 for i in range(32)], q) for k in range(n)]
+    firsts = [next(g) for g in gens]
+    t0, counts = time.perf_counter(), [1] * n
+
+    def drain(k):
+        counts[k] += sum(1 for _ in gens[k])
+
+    threads = [threading.Thread(target=drain, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del firsts
+    return time.perf_counter() - t0, min(counts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-3.2-1b")
     ap.add_argument("--options", default="{}", help="layout options (JSON) on top of the engine default")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="B > 1: the batched engine (B slots), with --requests of them decoding together")
+    ap.add_argument("--requests", type=int, default=0, help="concurrent requests on the batched engine (default B)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     os.environ["MK_NVRTC_EXTRA"] = (os.environ.get("MK_NVRTC_EXTRA", "") + " -DMK_TIMELINE=1").strip()
@@ -120,8 +148,14 @@ def main() -> None:
     from replicas.monokernel import MonokernelEngine
 
     config = preset_config(args.preset)
-    eng = MonokernelEngine(config, random_tensors(cp, config), max_context=4096,
-                           layout_options=json.loads(args.options) or None)
+    opts = json.loads(args.options) or None
+    if args.batch > 1:
+        from replicas.monokernel_batched import BatchedMonokernelEngine
+
+        eng = BatchedMonokernelEngine(config, random_tensors(cp, config), batch=args.batch, max_context=4096,
+                                      layout_options=opts)
+    else:
+        eng = MonokernelEngine(config, random_tensors(cp, config), max_context=4096, layout_options=opts)
     prompt = list(range(100, 132))
     time_generation(eng, prompt, 32)  # compile + warm-up
     grid, layers = eng.gpu.layout.num_sms, config.num_hidden_layers
@@ -129,12 +163,16 @@ def main() -> None:
     smids = []
     for _ in range(2):  # a second launch: does every block land on the same SM again?
         eng.profile = cp.zeros(BASE + rows + grid, cp.uint64)
-        dt, n, _ = time_generation(eng, prompt, STEP0 + STEPS + 8)
+        if args.batch > 1:  # the requests join within the first steps; the launch holding all of them records
+            dt, n = run_together(eng, args.requests or args.batch, STEP0 + STEPS + 8)
+        else:
+            dt, n, _ = time_generation(eng, prompt, STEP0 + STEPS + 8)
         smids.append(cp.asnumpy(eng.profile[BASE + rows:]).astype(int).tolist())
     ts = cp.asnumpy(eng.profile[BASE:BASE + rows]).reshape(grid, STEPS, layers + 1, MARKS)
     eng.profile = None
     s = summarize(ts, layers)
-    s.update(preset=args.preset, options=json.loads(args.options), tok_s_probe_build=round((n - 1) / dt, 1),
+    s.update(preset=args.preset, options=json.loads(args.options), batch=args.batch,
+             requests=(args.requests or args.batch) if args.batch > 1 else 1, tok_s_probe_build=round((n - 1) / dt, 1),
              smid=smids[-1], smid_same_both_launches=smids[0] == smids[1])
     args.out.mkdir(parents=True, exist_ok=True)
     np.save(args.out / "timeline.npy", ts)

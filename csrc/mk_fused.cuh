@@ -74,6 +74,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
                           MK_TL_PARAM) {
   const float* s_h = s_act + kFxH;
   __syncthreads();  // h slices complete; the normed inputs under the partials are dead
+  MK_TL_AT(tl, 12);
   float a[kB][8];
 #pragma unroll
   for (int b = 0; b < kB; b++)
@@ -100,6 +101,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
       st.release(p);
     }
   }
+  MK_TL_AT(tl, 13);  // (thread 0's warp done with its rows; the slots' partials and atomics follow)
 #pragma unroll
   for (int b = 0; b < kB; b++) {
     if (!((live >> b) & 1u)) continue;  // the same for every thread of the block
