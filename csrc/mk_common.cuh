@@ -15,6 +15,17 @@ typedef unsigned int uint32_t;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// %globaltimer in ns (phase profile, timeline probe)
+MK_DEVICE unsigned long long global_ns() {
+#ifdef MK_EMU
+  return mk_emu_globaltimer();
+#else
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
 MK_DEVICE float bf16_to_f32(uint16_t b) { return __uint_as_float(((uint32_t)b) << 16); }
 MK_DEVICE uint16_t f32_to_bf16(float f) {
   __nv_bfloat16 h = __float2bfloat16_rn(f);

@@ -67,6 +67,17 @@ MK_DEVICE void fx_zero(long long* acc) {
   zero_acc(acc, kB * MK_HP);
 }
 
+// The block's row-group partials in shared memory ([R][Hp], summed in group order) added to the
+// accumulator as int64 fixed point.
+MK_DEVICE void fx_add_partials(long long* acc, const float* s_act) {
+  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
+    float v = 0.f;
+#pragma unroll
+    for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
+    atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
+  }
+}
+
 #if MK_BATCH > 1
 // Batch build: one pass over the down run with 8 accumulators per slot, then each live slot's row-group
 // partials through shared memory in turn (one partial buffer, slots one after another).
@@ -111,12 +122,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
     }
     __syncthreads();
     long long* acc = fx_acc(p, turn, b);
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
-      float v = 0.f;
-#pragma unroll
-      for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
-      atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
-    }
+    fx_add_partials(acc, s_act);
     __syncthreads();
   }
 }
@@ -167,12 +173,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
     }
     __syncthreads();
     if (q == MK_DN_PASSES - 1) MK_TL_AT(tl, 13);
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
-      float v = 0.f;
-#pragma unroll
-      for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
-      atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
-    }
+    fx_add_partials(acc, s_act);
     if (q + 1 < MK_DN_PASSES) __syncthreads();  // (read before the next part overwrites them)
   }
 }
@@ -202,12 +203,7 @@ MK_DEVICE void fused_down(WeightStream& st, const MkParams& p, float* s_act, uns
   }
   __syncthreads();
   MK_TL_AT(tl, 13);
-  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
-    float v = 0.f;
-#pragma unroll
-    for (int r = 0; r < MK_FX_R; r++) v += s_act[r * MK_HP + i];  // row groups in order
-    atomicAdd(reinterpret_cast<unsigned long long*>(acc + i), (unsigned long long)__float2ll_rn(v * kFxScale));
-  }
+  fx_add_partials(acc, s_act);
 }
 #endif  // MK_DN_PASSES
 #endif  // MK_BATCH

@@ -5,6 +5,7 @@
 // thread 0's path), so the probe perturbs little; default builds compile none of it (the macros
 // expand to nothing and the cubins stay byte-identical).
 #pragma once
+#include "mk_common.cuh"
 #ifndef MK_TIMELINE
 #define MK_TIMELINE 0
 #endif
@@ -33,18 +34,9 @@ MK_DEVICE unsigned long long* tl_row(const MkParams& p, int step, int layer) {
   return p.profile + kTLBase + (long long)blockIdx.x * kTLRowsPerBlock +
          ((long long)(step - MK_TL_STEP0) * (MK_L + 1) + layer) * kTLMarks;
 }
-MK_DEVICE unsigned long long tl_now() {
-#ifdef MK_EMU
-  return mk_emu_globaltimer();
-#else
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-#endif
-}
 #define MK_TL_PARAM , unsigned long long* tl = nullptr
 #define MK_TL_ARG(row) , (row)
-#define MK_TL_AT(row, k) do { if ((row) != nullptr && threadIdx.x == 0) (row)[k] = tl_now(); } while (0)
+#define MK_TL_AT(row, k) do { if ((row) != nullptr && threadIdx.x == 0) (row)[k] = global_ns(); } while (0)
 #else
 #define MK_TL_PARAM
 #define MK_TL_ARG(row)

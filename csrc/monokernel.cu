@@ -75,16 +75,6 @@ MK_DEVICE void stage_vector(const float* src, float* s_act) {
   __syncthreads();
 }
 
-MK_DEVICE unsigned long long global_ns() {
-#ifdef MK_EMU
-  return mk_emu_globaltimer();
-#else
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-#endif
-}
-
 #if MK_PARAM_VALUE && !defined(MK_EMU)
 // The parameter block by value: every p.field is a constant-bank operand, not a global load the
 // profiler saw stall on (long scoreboard) at each run switch, epilogue and prologue.
