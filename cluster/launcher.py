@@ -25,9 +25,12 @@ from replicas.actor import cuda_available
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 
-# Ray waits a fixed 30 s for a fresh raylet to register with its GCS; the first start from a cold
-# virtualenv on a loaded small machine (CI: 2 cores) can miss that, so a local start is retried.
+# Ray waits a fixed 30 s for a fresh raylet to register with its GCS, and by default 30 s for the
+# GCS to write its port file; the first start from a cold virtualenv on a loaded small machine
+# (CI: 2 cores) can miss either, so the GCS wait is lengthened and a local start is retried.
 LOCAL_START_ATTEMPTS = 3
+GCS_PORT_WAIT_S = "90"  # RAY_gcs_server_port_wait_time_s, unless the operator set it
+STARTUP_TIMEOUT_MARKS = ("timed out during startup", "Timed out waiting for file")
 RAY_PROCESS_MARKS = (b"gcs_server", b"raylet", b"/ray/", b"ray::")  # in the command lines Ray spawns
 
 
@@ -81,12 +84,13 @@ def init_local_ray(attempts: int = LOCAL_START_ATTEMPTS, **init_kwargs) -> None:
     """`ray.init(**init_kwargs)` for a new local cluster, retried when its node misses Ray's startup
     deadline. A failed start leaves the GCS and raylet it spawned running (Ray never got a handle
     on them), so they are stopped before the next attempt."""
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)  # read by ray.init here
     for attempt in range(1, attempts + 1):
         try:
             ray.init(**init_kwargs)
             return
-        except Exception as e:  # Ray raises a bare Exception for "timed out during startup"
-            if "timed out during startup" not in str(e):
+        except Exception as e:  # Ray raises a bare Exception / RuntimeError for its startup deadlines
+            if not any(mark in str(e) for mark in STARTUP_TIMEOUT_MARKS):
                 raise
             _stop_spawned_ray_processes()
             if attempt == attempts:

@@ -35,6 +35,24 @@ def test_a_timed_out_start_is_retried_with_the_same_arguments(monkeypatch):
     assert calls == [{"num_cpus": 2, "namespace": "x"}] * 2
 
 
+def test_a_gcs_that_misses_its_port_file_deadline_is_retried(monkeypatch):
+    # seen on CI: the GCS of a 2-core machine took longer than Ray's 30 s to write its port file
+    gcs_late = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
+    calls = fake_init(monkeypatch, [gcs_late, None])
+    launcher.init_local_ray(num_cpus=2)
+    assert len(calls) == 2
+
+
+def test_the_gcs_port_wait_is_lengthened_unless_the_operator_set_it(monkeypatch):
+    fake_init(monkeypatch, [None, None])
+    monkeypatch.delenv("RAY_gcs_server_port_wait_time_s", raising=False)
+    launcher.init_local_ray(num_cpus=2)
+    assert launcher.os.environ["RAY_gcs_server_port_wait_time_s"] == launcher.GCS_PORT_WAIT_S
+    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "7")
+    launcher.init_local_ray(num_cpus=2)
+    assert launcher.os.environ["RAY_gcs_server_port_wait_time_s"] == "7"
+
+
 def test_a_start_that_keeps_timing_out_says_what_to_check(monkeypatch):
     calls = fake_init(monkeypatch, [TIMED_OUT] * 3)
     with pytest.raises(launcher.ClusterError, match=r"did not start in 3 attempts.*raylet\.out.*--address"):
