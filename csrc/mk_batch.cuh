@@ -9,7 +9,25 @@
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 
-#if MK_BATCH > 1
+#ifndef MK_RESIDENT
+#define MK_RESIDENT 0  // layout option resident (batch builds; flag emitted only when on)
+#endif
+#if MK_BATCH > 1 && MK_RESIDENT
+// Resident builds: requests join the running launch at a step boundary, so the host rewrites a free
+// slot's table row and stop ids while the kernel runs. Each block keeps its own copy in shared memory
+// (after the reduction scratch; layout.resident_bytes), read from L2 at launch and at the slot's
+// admission: an L1 line cached for the slot's previous request would be stale.
+constexpr int kResidentOff = (kStreamWarps * MK_RING * 512 + 4 * (MK_ACT_FLOATS + MK_RED_FLOATS) + 7) & ~7;
+MK_DEVICE MkSlot* resident_slots() {
+  extern __shared__ __align__(16) unsigned char smem[];
+  return reinterpret_cast<MkSlot*>(smem + kResidentOff);
+}
+MK_DEVICE int* resident_stops() { return reinterpret_cast<int*>(resident_slots() + kB); }
+#define MK_SLOT(p, b, field) (resident_slots()[b].field)
+#define MK_SLOT_STEP0(p, b) ((int)resident_slots()[b].step0)
+#define MK_SLOT_ACTIVE(p, b) (resident_slots()[b].active != 0)
+#define MK_SLOT_STOPS(p, b) (resident_stops() + (b) * MK_MAX_STOP)
+#elif MK_BATCH > 1
 #define MK_SLOT(p, b, field) ((p).slots[b].field)
 #define MK_SLOT_STEP0(p, b) ((int)(p).slots[b].step0)
 #define MK_SLOT_ACTIVE(p, b) ((p).slots[b].active != 0)
@@ -28,6 +46,79 @@ MK_DEVICE float* slot_qkv(const MkParams& p, int b) { return p.qkv_part + (long 
 MK_DEVICE long long kv_head_base(int b, int layer, int g) {
   return (((long long)b * MK_L + layer) * MK_NKV + g) * MK_MAX_CTX;
 }
+
+#if MK_BATCH > 1 && MK_RESIDENT
+// The block's copy of slot b's row and stop ids (every thread calls; ends with __syncthreads), at launch
+// and when it joins. The slot's
+// token 0 is sampled at this launch step `step`, so its step0 (tokens emitted before) becomes step0 - step:
+// token index, position and RNG counter then run exactly as in a launch that started the slot.
+MK_DEVICE void resident_load_slot(const MkParams& p, int b, int step, bool join) {
+  constexpr int kWords = (int)(sizeof(MkSlot) / 8);
+  const int t = threadIdx.x;
+  if (t < kWords)
+    reinterpret_cast<unsigned long long*>(resident_slots() + b)[t] =
+        __ldcg(reinterpret_cast<const unsigned long long*>(p.slots + b) + t);
+  else if (t < kWords + MK_MAX_STOP)
+    resident_stops()[b * MK_MAX_STOP + t - kWords] = __ldcg(p.slot_stop + b * MK_MAX_STOP + t - kWords);
+  __syncthreads();
+  if (t == 0 && join) {
+    resident_slots()[b].step0 -= step;
+    resident_slots()[b].active = 1;  // (a row written for a join says 0: a launch starting meanwhile must not take it)
+  }
+  __syncthreads();
+}
+
+// Block 0's thread 0, once a step (the last layer's MLP phase) or while idle: the host's yield request and
+// any admission it published since `seen` (layout_params.py KCTL_*), into cancel_step[kB .. kB + 2] for
+// every block to read after the next grid barrier. Returns whether there is something to act on.
+MK_DEVICE bool resident_poll(const MkParams& p, unsigned seen) {
+  const int yield = p.host_kctl[MK_KCTL_YIELD];
+  const unsigned seq = (unsigned)p.host_kctl[MK_KCTL_ADMIT_SEQ];
+  unsigned mask = 0;
+  if (seq != seen) {
+    __threadfence_system();  // the mask the host wrote before this sequence number, not an older one
+    mask = (unsigned)p.host_kctl[MK_KCTL_ADMIT_MASK];
+  }
+  p.cancel_step[kB] = yield;
+  p.cancel_step[kB + 1] = (int)mask;
+  p.cancel_step[kB + 2] = (int)seq;
+  return yield != 0 || seq != seen;
+}
+
+MK_DEVICE unsigned long long idle_clock_ns() {
+#ifdef MK_EMU
+  return mk_emu_real_ns();  // (the emulation's global_ns is a step counter)
+#else
+  return global_ns();
+#endif
+}
+
+// Every block at a step boundary of a resident launch. With no slot decoding, block 0 first waits (up to
+// p.idle_ns) for the host to admit one or ask for the GPU back, then a grid barrier shares its answer.
+// Returns the slots that join now (their rows copied) or ~0u when the launch must end. Block 0
+// acknowledges a consumed admission to the host (KCTL_ADMIT_ACK) only when the launch goes on, so the
+// host knows that slots it published to a launch that ended never joined it.
+MK_DEVICE unsigned resident_boundary(const MkParams& p, unsigned live, int step, unsigned& epoch, unsigned& seen) {
+  if (live == 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      const unsigned long long t0 = idle_clock_ns();
+      while (!resident_poll(p, seen)) {
+        if (idle_clock_ns() - t0 >= (unsigned long long)p.idle_ns) { p.cancel_step[kB] = 1; break; }
+        __nanosleep(2000);
+      }
+    }
+    grid_barrier<kBarrierThread>(p.bar_count, epoch);
+  }
+  if (__ldcg(p.cancel_step + kB) != 0) return ~0u;
+  const unsigned seq = (unsigned)__ldcg(p.cancel_step + kB + 2);
+  const unsigned joins = (unsigned)__ldcg(p.cancel_step + kB + 1) & ~live & ((1u << kB) - 1);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && seq != seen) p.host_kctl[MK_KCTL_ADMIT_ACK] = (int)seq;
+  seen = seq;
+  for (int b = 0; b < kB; b++)
+    if ((joins >> b) & 1u) resident_load_slot(p, b, step, true);
+  return joins;
+}
+#endif
 
 MK_DEVICE bool slot_is_stop(const MkParams& p, int b, int tok) {
   const int* stops = MK_SLOT_STOPS(p, b);

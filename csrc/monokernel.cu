@@ -12,7 +12,8 @@
 // where it touches activations, once per weight chunk; a slot that finishes stops being decoded
 // (its bit leaves `live`) and the launch ends when none is left. Any build given host_kctl also ends
 // at a step boundary the host asks for (host_kctl[MK_KCTL_YIELD], to admit a request: the batched
-// engine's next launch resumes every slot; kctl gets the exit state).
+// engine's next launch resumes every slot; kctl gets the exit state). A resident batch build instead
+// admits requests into free slots at a step boundary, and waits (p.idle_ns) when none is decoding.
 #include "mk_params.cuh"
 #include "mk_common.cuh"
 #include "mk_layout.cuh"
@@ -111,6 +112,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   unsigned qkv_target = 0;  // running count of QKV units each kv group has finished (MK_QKV_FLAGS)
   int xi = 0;  // xbuf half holding the residual stream
   unsigned live = 0;  // slots still decoding in this launch (bit b), the same in every block
+#if MK_RESIDENT
+  unsigned admit_seen = 0;  // the host's last admission sequence number this launch consumed (KCTL_ADMIT_SEQ)
+  unsigned joined = 0;      // slots that joined at this step's boundary: their LM head starts from admit_x
+  for (int b = 0; b < kB; b++) resident_load_slot(p, b, 0, false);
+#endif
 #pragma unroll
   for (int b = 0; b < kB; b++) if (MK_SLOT_ACTIVE(p, b)) live |= 1u << b;
   // Optional phase timing (block 0, thread 0): ns spent from one barrier to the next, per phase kind.
@@ -129,13 +135,24 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
   for (;; step++) {
     // the host asked to admit a request (read in the last step's final phase, so every block agrees;
     // only launches given host_kctl: the batched engine's, fused layouts)
+#if MK_RESIDENT
+    // or a resident launch admits the slots the host made ready, or waits for some while none decodes
+    joined = resident_boundary(p, live, step, epoch, admit_seen);
+    if (joined == ~0u) break;
+    live |= joined;
+#else
     if (step > 0 && p.host_kctl != nullptr && __ldcg(p.cancel_step + kB) != 0) break;
+#endif
 #if MK_TIMELINE
     unsigned long long* const tl_lm = tl_row(p, step, MK_L);
 #endif
     MK_TL_AT(tl_lm, 0);
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
-#if MK_BATCH > 1
+#if MK_RESIDENT
+    residual_norm_slots(live, [&](int b, int i) {
+        return ((joined >> b) & 1u) ? __ldcg(p.admit_x + (long long)b * MK_HP + i) : fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
+      [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
+#elif MK_BATCH > 1
     residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
                         [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
 #elif MK_FUSED_MLP
@@ -247,7 +264,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       }
       if (status) { live &= ~(1u << b); tok[b] = 0; }
     }
-    if (live == 0) break;
+    if (live == 0) {
+#if MK_RESIDENT
+      // wait at the next boundary for a request to join (resident_boundary). The weight stream has run
+      // ahead into this step's layers, which will not run: restart it at the next step's LM head.
+      cp_async_wait_all();
+      st.init(p, ring + min(warp, kStreamWarps - 1) * MK_RING * 32);
+      continue;
+#else
+      break;
+#endif
+    }
     MK_TL_AT(tl_lm, 4);
 
     // ---- the layers, on each live slot's token at its position ----
@@ -355,8 +382,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         fused_down(st, p, s_act, fx_turn, live MK_TL_ARG(tl));
         fx_turn++;
       }
-      if (layer == MK_L - 1 && p.host_kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+      if (layer == MK_L - 1 && p.host_kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+#if MK_RESIDENT
+        resident_poll(p, admit_seen);
+#else
         p.cancel_step[kB] = p.host_kctl[MK_KCTL_YIELD];
+#endif
+      }
       MK_ARRIVE();
       MK_TL_AT(tl, 14);
       grid_barrier<kBarrierThread>(p.bar_count, epoch);

@@ -32,7 +32,12 @@ from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter b
     TP_HEADER_WORDS,
     BATCH_PARAM_FIELDS,
     SLOT_FIELDS,
+    RESIDENT_PARAM_FIELDS,
     KCTL_YIELD,
+    KCTL_ADMIT_SEQ,
+    KCTL_ADMIT_MASK,
+    KCTL_ADMIT_ACK,
+    KCTL_WORDS,
     CTRL_COUNT,
     CTRL_STATUS,
     CTRL_DONE,
@@ -139,6 +144,7 @@ class KernelLayout:
     norm_early: bool = False  # the prologues load their RMSNorm weights with the residual (one L2 round trip)
     ao_preload: bool = False  # fused_attn_o, B=1: the O stage loads split outputs and statistics together
     dn_passes: int = 1  # fused_mlp, B=1: the block's down rows in parts, each part's atomics issued when it is done
+    resident: bool = False  # batch builds: requests join a running launch at a step boundary (mk_batch.cuh)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -152,7 +158,8 @@ class KernelLayout:
                     split_pos: int = ATTN_SPLIT_POS, batch: int = 1, ao_slots: bool = False,
                     mma: bool = False, param_value: bool = False, div32: bool = False,
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
-                    dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False) -> KernelLayout:
+                    dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
+                    resident: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -176,7 +183,7 @@ class KernelLayout:
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
                    o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
-                   norm_early=bool(norm_early), ao_preload=bool(ao_preload))
+                   norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -272,8 +279,16 @@ class KernelLayout:
         return RED_FLOATS if self.batch == 1 else max(RED_FLOATS, (self.threads // 32 + 1) * self.batch)
 
     @property
+    def resident_bytes(self) -> int:
+        """Resident builds: every slot's table row and stop ids copied into shared memory after the
+        block-reduction scratch, 8-byte aligned (mirrors kResidentOff in csrc/mk_batch.cuh)."""
+        if not self.resident:
+            return 0
+        return 8 + self.batch * (8 * len(SLOT_FIELDS) + 4 * MAX_STOP_IDS)
+
+    @property
     def smem_fixed(self) -> int:
-        return 4 * (self.act_floats + self.red_floats)
+        return 4 * (self.act_floats + self.red_floats) + self.resident_bytes
 
     @property
     def ring_slots(self) -> int:
@@ -346,7 +361,8 @@ class KernelLayout:
 
     def param_fields(self) -> tuple[tuple[str, str], ...]:
         """The kernel's parameter block of this build (params_header() guards the TP and batch fields)."""
-        return PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ()) + (BATCH_PARAM_FIELDS if self.batch > 1 else ())
+        return (PARAM_FIELDS + (TP_PARAM_FIELDS if self.tp > 1 else ()) + (BATCH_PARAM_FIELDS if self.batch > 1 else ())
+                + (RESIDENT_PARAM_FIELDS if self.resident else ()))
 
     # ---- what the compiler sees -----------------------------------------------------------
     def compile_flags(self) -> list[str]:
@@ -379,6 +395,8 @@ class KernelLayout:
                          "MK_FX_SLICE": layout_fused.slice_floats(self)})
             if self.ao_slots:
                 defs["MK_AO_SLOTS"] = 1
+            if self.resident:
+                defs.update({"MK_RESIDENT": 1, "MK_RED_FLOATS": self.red_floats})
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
         if self.param_value:

@@ -7,7 +7,7 @@ from replicas import layout_attn_o, layout_fused
 
 
 def option_error(lay) -> str | None:
-    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes, or None."""
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / resident, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -20,6 +20,8 @@ def option_error(lay) -> str | None:
         return "ao_preload changes fused_attn_o's single-sequence O stage: it needs fused_attn_o and batch=1"
     if lay.ao_preload and layout_attn_o.act_floats(lay) + layout_attn_o.group_len(lay) > lay.act_floats:
         return "ao_preload: no room for its staging scratch in this model's activation buffer; drop ao_preload"
+    if lay.resident and lay.batch == 1:
+        return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
     if lay.dn_passes != 1:
         geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
         if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):

@@ -66,7 +66,19 @@ SLOT_FIELDS: tuple[tuple[str, str], ...] = (
     ("seed", "unsigned long long"), ("inv_temperature", "double"), ("top_p", "double"),
     ("active", "long long"),  # 1: decode this slot in this launch
 )
-KCTL_YIELD = 0  # host_kctl word: host asks the kernel to exit at the next step boundary (to admit a request)
+# Extra fields of a resident batch build (layout option resident), after BATCH_PARAM_FIELDS.
+RESIDENT_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
+    ("admit_x", "const float*"),  # [B][Hp] an admitted slot's last prompt hidden state (its first LM head's input)
+    ("idle_ns", "long long"),  # how long the launch waits with no slot decoding before it ends (0: it ends at once)
+)
+# host_kctl words (int32, pinned host-mapped; the host writes all but ACK):
+KCTL_YIELD = 0  # host asks the kernel to exit at the next step boundary (to admit a request by relaunch)
+# Admission into a running resident launch: the host prepares free slots (KV, slot-table row, stop ids,
+# admit_x), writes their bit mask to ADMIT_MASK, then increments ADMIT_SEQ. The kernel reads SEQ with
+# YIELD every step (one 8-byte load); on a new value it reads MASK, admits those slots at the next step
+# boundary and writes SEQ to ADMIT_ACK. The host changes MASK again only once ACK == SEQ.
+KCTL_ADMIT_SEQ, KCTL_ADMIT_MASK, KCTL_ADMIT_ACK = 1, 2, 3
+KCTL_WORDS = 4
 
 # host_ctrl slots (int32 in pinned, host-mapped memory; per slot in a batch build: [B][CTRL_WORDS])
 CTRL_COUNT, CTRL_STATUS, CTRL_DONE, CTRL_CANCEL, CTRL_STOP_TOKEN = range(5)
@@ -93,17 +105,24 @@ def params_header() -> str:
     lines.append("#endif")
     lines.append("#if defined(MK_BATCH) && MK_BATCH > 1")
     lines += [f"  {ctype} {name};" for name, ctype in BATCH_PARAM_FIELDS]
+    lines.append("#if defined(MK_RESIDENT) && MK_RESIDENT")
+    lines += [f"  {ctype} {name};" for name, ctype in RESIDENT_PARAM_FIELDS]
+    lines.append("#endif")
     lines.append("#endif")
     lines.append("};")
     n_tp, n_b = len(TP_PARAM_FIELDS), len(BATCH_PARAM_FIELDS)
+    n_r = n_b + len(RESIDENT_PARAM_FIELDS)
     lines.append("#if defined(MK_TP) && MK_TP > 1")
     lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_tp)}, \"one 8-byte slot per field\");")
+    lines.append("#elif defined(MK_BATCH) && MK_BATCH > 1 && defined(MK_RESIDENT) && MK_RESIDENT")
+    lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_r)}, \"one 8-byte slot per field\");")
     lines.append("#elif defined(MK_BATCH) && MK_BATCH > 1")
     lines.append(f"static_assert(sizeof(MkParams) == {8 * (len(PARAM_FIELDS) + n_b)}, \"one 8-byte slot per field\");")
     lines.append("#else")
     lines.append(f"static_assert(sizeof(MkParams) == {8 * len(PARAM_FIELDS)}, \"one 8-byte slot per field\");")
     lines.append("#endif")
-    consts = {"MK_CTRL_WORDS": CTRL_WORDS, "MK_KCTL_YIELD": KCTL_YIELD, "MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
+    consts = {"MK_CTRL_WORDS": CTRL_WORDS, "MK_KCTL_YIELD": KCTL_YIELD, "MK_KCTL_ADMIT_SEQ": KCTL_ADMIT_SEQ,
+              "MK_KCTL_ADMIT_MASK": KCTL_ADMIT_MASK, "MK_KCTL_ADMIT_ACK": KCTL_ADMIT_ACK, "MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
               "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
               "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,
               "MK_STATUS_CANCELLED": STATUS_CANCELLED, "MK_MODE_GREEDY": MODE_GREEDY,

@@ -23,11 +23,13 @@ import numpy as np
 from replicas import layout as L
 from replicas.model import ModelConfig
 from replicas.monokernel_build import launch_args
-from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, inv_temperature,
-                                     param_block)
+from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, import_cupy,
+                                     inv_temperature, param_block)
+from replicas.monokernel_resident import PREFILL_SMS, Admissions
+from replicas.layout_fused import pack_down_fused
 
 
-BATCH_ONLY_OPTIONS = ("batch", "ao_slots")  # layout options the single-sequence build does not take
+BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident")  # layout options the single-sequence build does not take
 
 
 @dataclass
@@ -46,11 +48,12 @@ class SlotSpec:
     forced: Sequence[int] | None = field(default=None, repr=False)  # teacher-forced tokens (forward_logits)
 
 
-def slot_row(s: SlotSpec) -> list[np.uint64]:
-    """Slot s's row of the slot table (SLOT_FIELDS order)."""
+def slot_row(s: SlotSpec, active: bool = True) -> list[np.uint64]:
+    """Slot s's row of the slot table (SLOT_FIELDS order). A row for a resident launch to admit says
+    active = 0: the admission makes it live, and a launch that starts before it must not."""
     values = {"start_pos": s.start_pos, "step0": s.step0, "max_steps": s.max_steps, "n_stop": len(s.stop_ids),
               "mode": s.mode, "top_k": s.top_k, "seed": s.seed, "inv_temperature": inv_temperature(s.temperature),
-              "top_p": s.top_p, "active": 1}
+              "top_p": s.top_p, "active": int(active)}
     return [field_bits(ct, values[name]) for name, ct in L.SLOT_FIELDS]
 
 
@@ -63,25 +66,38 @@ def slots_ptrs(m, work, logits=None, profile=None) -> dict[str, int]:
             "cancel_step": P(m.cancel), "shared_token": P(m.shared_token), "tokens": P(m.tokens),
             "forced": P(m.forced), "stop_ids": P(m.stop_ids), "host_tokens": P(m.host_tokens),
             "host_ctrl": P(m.host_ctrl), "profile": P(profile), "slots": P(m.slot_table), "slot_stop": P(m.stop_ids),
-            "host_kctl": P(m.host_kctl), "kctl": P(m.kctl)}
+            "host_kctl": P(m.host_kctl), "kctl": P(m.kctl), "admit_x": P(m.admit_x)}
 
 
-def batch_scalars(teacher: bool, logits_per_step: int, fx_turn0: int) -> dict:
+def batch_scalars(teacher: bool, logits_per_step: int, fx_turn0: int, idle_ns: int = 0) -> dict:
     """The scalar fields of a batch launch (the single-sequence ones are unused: the slot table has them)."""
     return {"start_pos": 0, "max_steps": 0, "n_stop": 0, "teacher": int(teacher), "mode": 0, "top_k": 0, "seed": 0,
             "inv_temperature": 1.0, "top_p": 1.0, "logits_per_step": logits_per_step, "fx_turn0": fx_turn0,
-            "step0": 0}
+            "step0": 0, "idle_ns": int(idle_ns)}
 
 
 def lone_slot_ptrs(m, b: int, stops, profile=None) -> dict[str, int]:
     """The pointer fields of the B = 1 build on slot b alone (launch_single): its KV, tokens and host words."""
     P, ctl, ctx = buffer_ptr, buffer_ptr(m.single_control), m.max_context
-    return {**common_ptrs(m, m.single_work), "k_cache": P(m.k_cache[b]), "v_cache": P(m.v_cache[b]),
+    return {**common_ptrs(m, m.single_work, m.single_weights), "k_cache": P(m.k_cache[b]), "v_cache": P(m.v_cache[b]),
             "best_idx": P(m.single_best_idx), "logits": P(m.logits1),
             "bar_count": ctl, "bar_flag": ctl + 4, "cancel_step": ctl + 8, "shared_token": ctl + 16,
             "tokens": P(m.tokens[b * ctx:]), "forced": P(m.forced[b * ctx:]), "stop_ids": P(stops),
             "host_tokens": P(m.host_tokens) + 4 * b * ctx, "host_ctrl": P(m.host_ctrl) + 4 * b * L.CTRL_WORDS,
             "profile": P(profile), "host_kctl": P(m.host_kctl), "kctl": P(m.kctl)}
+
+
+def regrid_weights(xp, weights: Mapping[str, object], lay, single_lay, config: ModelConfig) -> Mapping[str, object]:
+    """The packed weights for the single-sequence build `single_lay`: `weights` (packed for the batch
+    layout `lay`) where both grids are the same, else with the fused down packed again for its grid (its
+    block tiles follow the grid) from the prefill's plain down rows."""
+    if single_lay.num_sms == lay.num_sms or not single_lay.fused_mlp:
+        return weights
+    dn = weights["w_dn_prefill"]  # [L][H][Ip] plain down rows
+    w_dn = xp.empty_like(weights["w_dn"])
+    for n in range(config.num_hidden_layers):
+        w_dn[n] = pack_down_fused(xp, single_lay, dn[n, :, :config.intermediate_size])
+    return {**weights, "w_dn": w_dn}
 
 
 def lone_slot_scalars(s: SlotSpec) -> dict:
@@ -91,10 +107,13 @@ def lone_slot_scalars(s: SlotSpec) -> dict:
             "top_p": s.top_p, "logits_per_step": 0, "step0": s.step0}
 
 
-def pick_build(sizes, slots: Sequence[object | None]) -> int:
-    """The smallest build (slot count) that holds the highest occupied slot: a build of n slots runs
-    slots [0, n) (the scheduler fills the lowest free slot, so occupancy n mostly needs n)."""
+def pick_build(sizes, slots: Sequence[object | None], room: int = 0) -> int:
+    """The smallest build (slot count) that holds the highest occupied slot and `room` more (for requests
+    to join a resident launch): a build of n slots runs slots [0, n) (the scheduler fills the lowest free
+    slot, so occupancy n mostly needs n)."""
     hi = 1 + max((b for b, s in enumerate(slots) if s is not None), default=0)
+    if hi <= max(sizes):
+        hi = min(hi + room, max(sizes))
     fits = [n for n in sizes if n >= hi]
     if not fits:
         raise ValueError(f"slot {hi - 1} is occupied but the largest build has {max(sizes)} slots")
@@ -106,11 +125,14 @@ class BatchGpuModel(GpuModel):
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], batch: int, device: int = 0,
                  max_context: int | None = None, progress: bool | None = None,
-                 layout_options: dict | None = None, sub_builds: bool = False):
+                 layout_options: dict | None = None, sub_builds: bool = False, resident: bool = False,
+                 prefill_sms: int = PREFILL_SMS):
         """sub_builds: also compile the batch builds of 2, 4, .. < batch slots (same weights, KV and host
         words: a build of B' slots runs the slots [0, B')); a launch then uses the smallest build that
         holds its highest occupied slot (a B = 8 build is slower than a B = 2 one at 2 requests).
-        Not yet run on a GPU: off by default."""
+        resident: the batch builds admit requests while they run (replicas/monokernel_resident.py) on a
+        grid that leaves `prefill_sms` SMs to the joiners' prefill; the single-sequence build keeps every
+        SM (its fused down then needs its own packing: one more copy of the down weights)."""
         if not 2 <= int(batch) <= L.MAX_BATCH:
             raise ValueError(f"batch={batch}: a batch build decodes 2..{L.MAX_BATCH} slots (batch 1 is GpuModel)")
         # Batch-build defaults measured on the H200 (llama-3.2-1b, 4 of 4 slots, same tokens): gu_il +12.7%
@@ -118,6 +140,16 @@ class BatchGpuModel(GpuModel):
         # and was never measured with ao_slots.
         tuned = {} if (layout_options or {}).get("mma") else {"gu_il": True, "ao_slots": True}
         layout_options = {**tuned, **(layout_options or {})}
+        self.resident = bool(resident)
+        cp = import_cupy()
+        device_sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        if self.resident:
+            layout_options["resident"] = True
+            if "num_sms" not in layout_options:
+                if not 1 <= int(prefill_sms) < device_sms:
+                    raise ValueError(f"prefill_sms={prefill_sms}: leave 1..{device_sms - 1} of the device's "
+                                     f"{device_sms} SMs to the prefill")
+                layout_options["num_sms"] = device_sms - int(prefill_sms)
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch
@@ -127,15 +159,17 @@ class BatchGpuModel(GpuModel):
         from replicas.layout_tuned import engine_options
         from replicas.monokernel_build import load_module
 
-        cp = self.cp
         with cp.cuda.Device(device):
-            # (num_sms, if given as a layout option, is the grid every build shares: self.layout.num_sms)
+            # (num_sms, if given as a layout option, is the grid every batch build shares: self.layout.num_sms;
+            # the single build's too unless resident, which gives it the whole device)
             other = {k: v for k, v in layout_options.items() if k != "num_sms"}
             single_opts = {k: v for k, v in other.items() if k not in BATCH_ONLY_OPTIONS}
-            self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
+            single_sms = device_sms if self.resident else self.layout.num_sms
+            self.single_layout = KernelLayout.from_config(config, self.max_context, num_sms=single_sms,
                                                           **engine_options(config, single_opts))
             assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
             assert self.single_layout.gu_il == self.layout.gu_il, "one gate/up order for both builds"
+            self.single_weights = regrid_weights(cp, self.weights, self.layout, self.single_layout, config)
             self.single_kernel = load_module(self.single_layout)
             self.single_work = {k: cp.zeros(n, cp.float32) for k, n in self.single_layout.buffer_sizes().items()}
             self.single_best_idx = cp.zeros(self.single_layout.total_warps, cp.int32)
@@ -172,13 +206,16 @@ class BatchGpuModel(GpuModel):
         self.forced = cp.zeros(b * ctx, cp.int32)
         self.stop_ids = cp.zeros(b * L.MAX_STOP_IDS, cp.int32)
         self.logits1 = cp.zeros(b * c.vocab_size, cp.float32)
-        self.cancel = cp.zeros(b + 1, cp.int32)  # per-slot cancel seen this step, then the yield request
+        self.cancel = cp.zeros(b + 3, cp.int32)  # per-slot cancel seen this step, the yield request, admission mask, seq
+        self.admit_x = cp.zeros(b * self.layout.hp, cp.float32)  # [B][Hp] a joining slot's last prompt hidden state
         self.shared_token = cp.zeros(b, cp.int32)
         self.kctl = cp.zeros(4, cp.int32)  # left at exit: fused turn, steps run
         self.slot_table = cp.zeros(b * len(L.SLOT_FIELDS), cp.uint64)
         self.host_tokens = MappedInts(cp, b * ctx)
         self.host_ctrl = MappedInts(cp, b * L.CTRL_WORDS)
-        self.host_kctl = MappedInts(cp, 4)
+        self.host_kctl = MappedInts(cp, L.KCTL_WORDS)
+        self.admissions = Admissions(self.host_kctl.array)
+        self.prefill_stream = cp.cuda.Stream(non_blocking=True)  # resident launches: joiners' prefill meanwhile
 
     # ---- per-slot views --------------------------------------------------------------------
     def slot_view(self, b: int):
@@ -208,19 +245,20 @@ class BatchGpuModel(GpuModel):
 
     # ---- one launch ------------------------------------------------------------------------
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, object], fx_turn0: int = 0,
-                     logits=None, profile=None) -> None:
-        """Start the kernel on `self.stream` for the slots that are not None.
+                     logits=None, profile=None, idle_ns: int = 0, room: int = 0) -> int:
+        """Start the kernel on `self.stream` for the slots that are not None; returns its slot count.
 
         fresh: slot -> the prompt's last hidden state [H] (CuPy) for slots starting now; the other
         given slots resume (their xbuf, accumulators and KV are where the last launch left them, and
         fx_turn0 must be that launch's `exit_state()[0]`). logits: [steps, B, V] fp32 for teacher
-        forcing (every slot then needs `forced`)."""
+        forcing (every slot then needs `forced`). Resident builds: `room` more slots than the highest
+        occupied one for requests to join (`admit`), and the launch waits `idle_ns` with none decoding."""
         cp, b_n = self.cp, self.layout.batch
         if len(slots) != b_n:
             raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
         teacher = logits is not None
         if not teacher:  # (teacher logits are laid out for all B slots)
-            b_n = pick_build(self.builds, slots)
+            b_n = pick_build(self.builds, slots, room=room)
             slots = slots[:b_n]
         lay, kernel, w = self.builds[b_n]
         self._last, self._exit = (w, b_n), None
@@ -250,11 +288,27 @@ class BatchGpuModel(GpuModel):
             self.cancel[:] = 0
             self.kctl[:] = 0
             self.host_kctl.array[:] = 0
+            self.admissions.reset()
             ptrs = slots_ptrs(self, w, logits, profile)
-            scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0)
+            scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0, idle_ns)
             block = param_block(lay.param_fields(), ptrs, scalars)
             kernel((lay.num_sms,), (lay.threads,), launch_args(cp, lay, self.params_dev, block, self.stream),
                    shared_mem=lay.smem_bytes)
+        return b_n
+
+    def prepare_join(self, b: int, s: SlotSpec, x_last) -> None:
+        """Slot b's table row, stop ids and hidden state for a running resident launch to admit (on the
+        prefill stream, which the caller has used for the slot's prefill; returns once they are written).
+        The caller then publishes the slot (`admissions.publish`)."""
+        cp, hp = self.cp, self.layout.hp
+        row = np.array(slot_row(s, active=False), np.uint64)
+        with cp.cuda.Device(self.device), self.prefill_stream:
+            self._write_stops(b, s.stop_ids)
+            self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
+            self.slot_table[b * len(row):(b + 1) * len(row)].set(row, stream=self.prefill_stream)
+            self.prefill_stream.synchronize()
+        ctrl = self.slot_ctrl(b)
+        ctrl[:] = 0
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the

@@ -44,6 +44,7 @@ from replicas.model import ModelConfig
 from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
 from replicas.monokernel_batched_sessions import SlotSessions
+from replicas.monokernel_resident import Joiner, ResidentJoins
 from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionLease, SessionStats
 
 
@@ -78,7 +79,7 @@ class _BatchGeneration(Generation):
         return self._req.reused
 
 
-class BatchedMonokernelEngine:
+class BatchedMonokernelEngine(ResidentJoins):
     """Engine protocol (replicas.engine.Engine) on one GPU with max_batch = batch slots."""
 
     kind = "monokernel"
@@ -86,37 +87,49 @@ class BatchedMonokernelEngine:
     def __init__(self, config: ModelConfig, tensors, batch: int = 4, devices: Sequence[int] = (0,),
                  max_context: int | None = None, progress: bool | None = None, layout_options: dict | None = None,
                  sub_builds: bool = True, *, session_cache_bytes: int = DEFAULT_MAX_BYTES,
-                 max_sessions: int = DEFAULT_MAX_SESSIONS):
+                 max_sessions: int = DEFAULT_MAX_SESSIONS, resident: bool = False, idle_s: float = 0.0):
         """sub_builds: also compile the smaller batch builds for partial occupancy (BatchGpuModel; measured on
         the H200, B = 8 engine at 2 / 4 requests: 886 / 539 tok/s each instead of 597 / 449).
         Agent sessions' KV is kept between turns (in GPU memory) within `session_cache_bytes` /
-        `max_sessions` (replicas.session_cache; max_sessions=0 turns reuse off), one cache for all slots."""
+        `max_sessions` (replicas.session_cache; max_sessions=0 turns reuse off), one cache for all slots.
+        resident: requests join a running batch launch without a relaunch when a slot of its build is free
+        (replicas/monokernel_resident.py; the batch builds leave SMs to the joiners' prefill). idle_s: how
+        long such a launch stays up with no request left (0: it ends; a lone request is faster on the
+        single-sequence build anyway)."""
         sessions = SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before the GPU work
+        if not 0.0 <= float(idle_s) <= 3600.0:
+            raise ValueError(f"idle_s={idle_s}: a resident launch waits 0..3600 s for a request")
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
         gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
-                            progress=progress, layout_options=layout_options, sub_builds=sub_builds)
+                            progress=progress, layout_options=layout_options, sub_builds=sub_builds,
+                            resident=resident)
         from replicas.monokernel_prefill import Prefill
 
-        self._start(config, gpu, devices, Prefill, sessions)
+        self._start(config, gpu, devices, Prefill, sessions, idle_s)
 
     @classmethod
     def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,), *,
                session_cache_bytes: int = DEFAULT_MAX_BYTES,
-               max_sessions: int = DEFAULT_MAX_SESSIONS) -> BatchedMonokernelEngine:
+               max_sessions: int = DEFAULT_MAX_SESSIONS, idle_s: float = 0.0) -> BatchedMonokernelEngine:
         """Exists for tests (tests/test_monokernel_batch_cpu.py): the engine around an already built `gpu`
-        (BatchGpuModel, or a stand-in with its slot API) and `prefill(slot_view)` -> an object whose
-        `run(ids, all_logits=False, start=0)` prefills that slot (monokernel_prefill.Prefill)."""
+        (BatchGpuModel, or a stand-in with its slot API; `gpu.resident` makes it resident) and
+        `prefill(slot_view)` -> an object whose `run(ids, all_logits=False, start=0)` prefills that slot
+        (monokernel_prefill.Prefill)."""
         engine = cls.__new__(cls)
-        engine._start(config, gpu, list(devices), prefill, SessionCache(session_cache_bytes, max_sessions))
+        engine._start(config, gpu, list(devices), prefill, SessionCache(session_cache_bytes, max_sessions), idle_s)
         return engine
 
-    def _start(self, config: ModelConfig, gpu, devices: list[int], prefill, sessions: SessionCache) -> None:
+    def _start(self, config: ModelConfig, gpu, devices: list[int], prefill, sessions: SessionCache,
+               idle_s: float = 0.0) -> None:
         self.config, self.gpu, self.sessions = config, gpu, sessions
         self._sessions = SlotSessions(sessions, gpu)
         self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
         self._prefill = [prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
+        self._joiner = Joiner(gpu, self._prefill) if getattr(gpu, "resident", False) else None
+        self.idle_ns = int(float(idle_s) * 1e9)
+        self.resident_joins = 0  # requests admitted into a running launch (no relaunch)
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * self.max_batch
@@ -136,7 +149,8 @@ class BatchedMonokernelEngine:
                         max_context: int | None = None, progress: bool | None = None,
                         layout_options: dict | None = None, sub_builds: bool = True, *,
                         session_cache_bytes: int = DEFAULT_MAX_BYTES,
-                        max_sessions: int = DEFAULT_MAX_SESSIONS) -> BatchedMonokernelEngine:
+                        max_sessions: int = DEFAULT_MAX_SESSIONS, resident: bool = False,
+                        idle_s: float = 0.0) -> BatchedMonokernelEngine:
         from replicas.monokernel_gpu import import_cupy
         from replicas.weights import load_weights
 
@@ -146,7 +160,7 @@ class BatchedMonokernelEngine:
         tensors = load_weights(path, config, dtype="raw", progress=progress)
         return cls(config, tensors, batch=batch, devices=devices, max_context=max_context, progress=progress,
                    layout_options=layout_options, sub_builds=sub_builds, session_cache_bytes=session_cache_bytes,
-                   max_sessions=max_sessions)
+                   max_sessions=max_sessions, resident=resident, idle_s=idle_s)
 
     # ---- Engine protocol -------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
@@ -304,14 +318,17 @@ class BatchedMonokernelEngine:
             with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
                 r.reused = start = self._sessions.restore(r, b)  # a session's stored rows [0, start)
                 x_last, _ = self._prefill[b].run(r.ids, start=start)
-            p = r.params
-            r.spec = SlotSpec(start_pos=len(r.ids), max_steps=min(p.max_tokens, self.max_context - len(r.ids)),
-                              mode=sampling_mode(p), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                              seed=sampling_seed(p), stop_ids=r.stops)
+            r.spec = self._slot_spec(r)
             with self._cv:
                 self._slots[b] = r
                 self._admitting -= 1
             self._x[b] = x_last
+
+    def _slot_spec(self, r: _Request) -> SlotSpec:
+        p = r.params
+        return SlotSpec(start_pos=len(r.ids), max_steps=min(p.max_tokens, self.max_context - len(r.ids)),
+                        mode=sampling_mode(p), temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                        seed=sampling_seed(p), stop_ids=r.stops)
 
     def _decode(self) -> None:
         """One launch over the occupied slots, streaming until it ends (all done, or a yield). A lone
@@ -321,12 +338,15 @@ class BatchedMonokernelEngine:
         for b in occupied:
             self._slots[b].spec.step0 = int(gpu.slot_ctrl(b)[L.CTRL_COUNT])  # resume after what it emitted
         single = len(occupied) == 1
+        width = 1
         if single:
             gpu.launch_single(occupied[0], self._slots[occupied[0]].spec, self._x[occupied[0]], profile=self.profile)
             self.single_launches += 1
         else:
-            gpu.launch_slots([r.spec if r is not None else None for r in self._slots],
-                             fresh={b: self._x[b] for b in occupied}, profile=self.profile)
+            width = gpu.launch_slots([r.spec if r is not None else None for r in self._slots],
+                                     fresh={b: self._x[b] for b in occupied}, profile=self.profile,
+                                     idle_ns=self.idle_ns) or self.max_batch
+        resident = self._joiner is not None and not single
         self.launches += 1
         yielded = False
         while True:
@@ -334,15 +354,17 @@ class BatchedMonokernelEngine:
             self._drain(final=not running)
             if not running:
                 break
-            if not yielded and (self._join_waiting() or (not single and self._lone_left())):
+            joining = resident and not yielded and self._join_resident(width)
+            if not yielded and not joining and (self._join_waiting() or (not single and self._lone_left())):
                 gpu.request_yield()  # admit the newcomer, or go to the single build
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()
+        unjoined = self._end_joins() if resident else {}
         self._sessions.store()  # the KV of sessions' slots that ended in this launch (before any admission)
         for b, r in enumerate(self._slots):
-            if r is not None:
-                self._x[b] = gpu.hidden_state(b, single)
+            if r is not None:  # (a join the launch never took starts from its prefill's hidden state)
+                self._x[b] = unjoined[b] if b in unjoined else gpu.hidden_state(b, single)
 
     def _join_waiting(self) -> bool:
         with self._cv:

@@ -138,10 +138,10 @@ class EmuModel:
             weights=self.weights, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
             k_cache=np.zeros(kv, np.uint16), v_cache=np.zeros(kv, np.uint16),  # [B][L][kv_heads][ctx][D]
             attn_cnt=z(c.num_key_value_heads, np.uint32), qkv_done=z(c.num_key_value_heads, np.uint32),
-            best_idx=z(b_n * lay.total_warps), logits1=None, control=z(4, np.uint32), cancel=z(b_n + 1),
+            best_idx=z(b_n * lay.total_warps), logits1=None, control=z(4, np.uint32), cancel=z(b_n + 3),
             shared_token=z(b_n), tokens=z(b_n * ctx), forced=z(b_n * ctx), stop_ids=z(b_n * L.MAX_STOP_IDS),
-            host_tokens=z(b_n * ctx), host_ctrl=z(b_n * L.CTRL_WORDS), host_kctl=z(4), kctl=z(4),
-            slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64))
+            host_tokens=z(b_n * ctx), host_ctrl=z(b_n * L.CTRL_WORDS), host_kctl=z(L.KCTL_WORDS), kctl=z(4),
+            slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64), admit_x=z(b_n * lay.hp, np.float32))
         work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
         p = min(prefill_len, *(len(q) for q in seqs))
         x, heads = work["xbuf"].reshape(2, b_n, lay.hp), []

@@ -23,7 +23,8 @@ from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
 from replicas.monokernel_batch import (BATCH_ONLY_OPTIONS, SlotSpec, batch_scalars, lone_slot_ptrs, lone_slot_scalars,
-                                       slot_row, slots_ptrs)
+                                       pick_build, regrid_weights, slot_row, slots_ptrs)
+from replicas.monokernel_resident import Admissions
 from replicas.monokernel_emu import EmuModel, build
 from replicas.monokernel_gpu import param_block
 from replicas.monokernel_weights import pack_weights, rope_tables
@@ -46,16 +47,23 @@ class EmuBatchGpu:
     """The batch build of `layout_options` + batch=B and its B = 1 build, on shared weights and KV."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], batch: int, max_context: int = 256,
-                 layout_options: dict | None = None, num_sms: int = 4):
+                 layout_options: dict | None = None, num_sms: int = 4, resident: bool = False, prefill_sms: int = 1):
+        """resident: as BatchGpuModel's (the batch build on num_sms - prefill_sms blocks, the single build
+        on num_sms, each with its own fused-down packing)."""
         c, ctx = config, int(max_context)
         self.config, self.batch, self.max_context, self.device = c, int(batch), ctx, 0
+        self.resident = bool(resident)
         opts = dict(layout_options or {})
-        self.layout = KernelLayout.from_config(c, ctx, num_sms=num_sms, **engine_options(c, {**opts, "batch": batch}))
+        batch_sms = num_sms - prefill_sms if resident else num_sms
+        self.layout = KernelLayout.from_config(c, ctx, num_sms=batch_sms,
+                                               **engine_options(c, {**opts, "batch": batch, "resident": self.resident}))
         single = {k: v for k, v in opts.items() if k not in BATCH_ONLY_OPTIONS}
         self.single_layout = KernelLayout.from_config(c, ctx, num_sms=num_sms, **engine_options(c, single))
         assert self.single_layout.packed_shapes() == self.layout.packed_shapes(), "one packing for both builds"
         self.lib, self.single_lib = build(self.layout), build(self.single_layout)
+        self.builds = {self.batch: self.layout}
         self.weights = pack_weights(np, self.layout, c, tensors)
+        self.single_weights = regrid_weights(np, self.weights, self.layout, self.single_layout, c)
         self.rope_cos, self.rope_sin = rope_tables(c, ctx)
         b = self.batch
         kv = (b, c.num_hidden_layers, c.num_key_value_heads, ctx, c.head_dim)
@@ -67,10 +75,12 @@ class EmuBatchGpu:
         self.attn_cnt, self.qkv_done = z(c.num_key_value_heads, np.uint32), z(c.num_key_value_heads, np.uint32)
         self.control, self.single_control = z(4, np.uint32), z(8, np.uint32)
         self.tokens, self.forced, self.stop_ids = z(b * ctx), z(b * ctx), z(b * L.MAX_STOP_IDS)
-        self.logits1, self.cancel, self.shared_token = z(b * c.vocab_size, np.float32), z(b + 1), z(b)
+        self.logits1, self.cancel, self.shared_token = z(b * c.vocab_size, np.float32), z(b + 3), z(b)
         self.kctl, self.slot_table = z(4), z(b * len(L.SLOT_FIELDS), np.uint64)
-        self.host_tokens, self.host_ctrl, self.host_kctl = z(b * ctx), z(b * L.CTRL_WORDS), z(4)
-        self.stream = _Stream()
+        self.host_tokens, self.host_ctrl, self.host_kctl = z(b * ctx), z(b * L.CTRL_WORDS), z(L.KCTL_WORDS)
+        self.admit_x = z(b * self.layout.hp, np.float32)
+        self.admissions = Admissions(self.host_kctl)
+        self.stream, self.prefill_stream = _Stream(), nullcontext()
         self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),
                                                        memory=SimpleNamespace(OutOfMemoryError=MemoryError)))
         self._exit: tuple[int, int] | None = None
@@ -115,7 +125,7 @@ class EmuBatchGpu:
         self.stream.thread.start()
 
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, np.ndarray], fx_turn0: int = 0,
-                     logits=None, profile=None) -> None:
+                     logits=None, profile=None, idle_ns: int = 0, room: int = 0) -> int:
         """BatchGpuModel.launch_slots (one build; no teacher forcing)."""
         lay, b_n, hp = self.layout, self.batch, self.layout.hp
         if len(slots) != b_n:
@@ -136,8 +146,19 @@ class EmuBatchGpu:
         self.slot_table[:] = table.reshape(-1)
         for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
             a[:] = 0
-        ptrs, scalars = slots_ptrs(self, self.work), batch_scalars(False, 0, fx_turn0)  # BatchGpuModel's
+        self.admissions.reset()
+        ptrs, scalars = slots_ptrs(self, self.work), batch_scalars(False, 0, fx_turn0, idle_ns)  # BatchGpuModel's
         self._start(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars))
+        return pick_build(self.builds, slots, room=room)
+
+    def prepare_join(self, b: int, s: SlotSpec, x_last) -> None:
+        """BatchGpuModel.prepare_join: slot b's row, stop ids and hidden state for the running launch."""
+        hp = self.layout.hp
+        self._stops(b, s.stop_ids)
+        self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
+        n = len(L.SLOT_FIELDS)
+        self.slot_table[b * n:(b + 1) * n] = slot_row(s, active=False)
+        self.slot_ctrl(b)[:] = 0
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """BatchGpuModel.launch_single: the B = 1 build on slot b's KV, tokens and host words."""

@@ -89,11 +89,11 @@ def buffer_ptr(a) -> int:
     return a.data.ptr
 
 
-def common_ptrs(m, work) -> dict[str, int]:
-    """What every launch points at: the packed weights, RoPE tables, the build's work buffers and the
-    per-kv-group phase counters (m: GpuModel or a model with the same buffer names)."""
+def common_ptrs(m, work, weights=None) -> dict[str, int]:
+    """What every launch points at: the packed weights (m.weights unless given), RoPE tables, the build's
+    work buffers and the per-kv-group phase counters (m: GpuModel or a model with the same buffer names)."""
     P = buffer_ptr
-    return {**{k: P(v) for k, v in m.weights.items()}, "rope_cos": P(m.rope_cos), "rope_sin": P(m.rope_sin),
+    return {**{k: P(v) for k, v in (m.weights if weights is None else weights).items()}, "rope_cos": P(m.rope_cos), "rope_sin": P(m.rope_sin),
             **{k: P(v) for k, v in work.items()}, "attn_cnt": P(m.attn_cnt), "qkv_done": P(m.qkv_done)}
 
 

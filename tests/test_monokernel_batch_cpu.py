@@ -96,6 +96,10 @@ def test_a_launch_uses_the_smallest_build_holding_its_highest_slot():
     assert pick_build([8], [x, x, None, None, None, None, None, None]) == 8  # no sub-builds
     with pytest.raises(ValueError, match="slot 4 is occupied but the largest build has 4 slots"):
         pick_build([2, 4], [None] * 4 + [x])
+    # a resident launch keeps `room` free slots above the highest occupied one, as far as the builds go
+    assert pick_build([8, 2, 4], [x, None, None, None, None, None, None, None], room=1) == 2
+    assert pick_build([8, 2, 4], [x, x, None, None, None, None, None, None], room=1) == 4
+    assert pick_build([8, 2, 4], [x] * 7 + [None], room=2) == 8
 
 
 def test_params_header_declares_the_slot_table_and_guards_batch_fields():
@@ -105,14 +109,20 @@ def test_params_header_declares_the_slot_table_and_guards_batch_fields():
     assert lines[i + 1 + len(L.SLOT_FIELDS)] == "};"
     g = lines.index("#if defined(MK_BATCH) && MK_BATCH > 1")
     assert g > lines.index("struct __align__(8) MkParams {")
-    assert lines[g + 1:g + 2 + len(L.BATCH_PARAM_FIELDS)] == \
-        [f"  {ct} {n};" for n, ct in L.BATCH_PARAM_FIELDS] + ["#endif"]
-    size = 8 * (len(L.PARAM_FIELDS) + len(L.BATCH_PARAM_FIELDS))
+    nb, nr = len(L.BATCH_PARAM_FIELDS), len(L.RESIDENT_PARAM_FIELDS)
+    assert lines[g + 1:g + 1 + nb] == [f"  {ct} {n};" for n, ct in L.BATCH_PARAM_FIELDS]
+    # resident builds' fields nested inside the batch ones, after them
+    assert lines[g + 1 + nb:g + 3 + nb + nr + 1] == \
+        ["#if defined(MK_RESIDENT) && MK_RESIDENT"] + [f"  {ct} {n};" for n, ct in L.RESIDENT_PARAM_FIELDS] + \
+        ["#endif", "#endif"]
+    size = 8 * (len(L.PARAM_FIELDS) + nb)
     assert f"sizeof(MkParams) == {size}" in params_header()
+    assert f"sizeof(MkParams) == {size + 8 * nr}" in params_header()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
-@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("llama-3.2-1b", {}), ("llama-3.2-1b", {"ao_slots": True})])
+@pytest.mark.parametrize("preset,extra", [("tiny", {}), ("llama-3.2-1b", {}), ("llama-3.2-1b", {"ao_slots": True}),
+                                          ("llama-3.2-1b", {"ao_slots": True, "resident": True, "num_sms": 116})])
 def test_batch_kernel_compiles_for_sm90a(preset, extra, tmp_path):
     lay = KernelLayout.from_config(preset_config(preset), max_ctx=2048, batch=4, **FUSED, **extra)
     src = tmp_path / "mk.cu"

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <stdio.h>
 
 #include <memory>
 #include <vector>
@@ -124,6 +126,17 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) { return mk_emu_shfl(v, mk_emu
 
 inline void __threadfence() {}
 inline void __threadfence_system() {}
+// A resident launch's idle wait (csrc/mk_batch.cuh): real time and a real sleep, so the host thread that
+// writes the admission words runs meanwhile.
+inline unsigned long long mk_emu_real_ns() {
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+}
+inline void __nanosleep(unsigned ns) {
+  timespec t{0, (long)ns};
+  nanosleep(&t, nullptr);
+}
 template <class T>
 inline T __ldcg(const T* p) { return *p; }
 template <class T>

@@ -1,0 +1,167 @@
+"""Host side of a resident batch launch (layout option resident, csrc/mk_batch.cuh): requests join the
+running kernel at a step boundary instead of through a relaunch.
+
+The scheduler prefills a request into a free slot while the kernel decodes the others (the resident
+builds leave `PREFILL_SMS` SMs to the prefill's kernels), writes the slot's table row, stop ids and last
+hidden state (`admit_x`), and then publishes the slot through the host-mapped words of
+replicas/layout_params.py (KCTL_ADMIT_*). The kernel admits it at its next step boundary and
+acknowledges; a launch that ends first (a yield, or idle for longer than its `idle_ns`) never admits
+what it did not acknowledge, so the scheduler then starts those slots in its next launch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from replicas import layout as L
+from replicas.engine import FinishReason
+
+PREFILL_SMS = 16  # SMs a resident build leaves free for a joining request's prefill (cuBLAS, our kernels)
+
+
+class Admissions:
+    """The admission words of one launch (`kctl`: the host-mapped host_kctl int32 array, zeroed at launch).
+
+    publish(mask) hands slots to the kernel; `consumed` says whether the last publication was
+    acknowledged; only then may the next one be written (the kernel reads the mask once per new
+    sequence number)."""
+
+    def __init__(self, kctl):
+        self.kctl = kctl
+        self.seq = 0
+        self.pending = 0  # slot mask published and not yet acknowledged
+
+    def reset(self) -> None:
+        """A new launch (its host_kctl words were just zeroed)."""
+        self.seq, self.pending = 0, 0
+
+    @property
+    def consumed(self) -> bool:
+        return int(self.kctl[L.KCTL_ADMIT_ACK]) == self.seq
+
+    def publish(self, mask: int) -> None:
+        if not self.consumed:
+            raise RuntimeError("the kernel has not acknowledged the last admission yet")
+        if not 0 < mask < 1 << L.MAX_BATCH:
+            raise ValueError(f"admission mask {mask:#x}: one bit per slot of at most {L.MAX_BATCH}")
+        self.kctl[L.KCTL_ADMIT_MASK] = mask  # (x86 keeps these two stores in order, and the kernel
+        self.seq += 1                        # fences between reading SEQ and MASK)
+        self.kctl[L.KCTL_ADMIT_SEQ] = self.seq
+        self.pending = mask
+
+    def settle(self) -> int:
+        """Slots whose publication the kernel acknowledged since the last call (and forget them)."""
+        if self.pending and self.consumed:
+            done, self.pending = self.pending, 0
+            return done
+        return 0
+
+
+class Joiner:
+    """One join at a time into a running resident launch, for the batched engine's scheduler thread:
+    the prefill (on the prefill stream, in a worker thread so the scheduler keeps streaming tokens),
+    then the slot's admission words. `x[b]` keeps each joiner's hidden state until the kernel has
+    acknowledged it, so a launch that ended first can start the slot itself."""
+
+    def __init__(self, gpu, prefills):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.gpu, self.prefills = gpu, prefills
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mk-join-prefill")
+        self.job = None  # (slot, Future) of the join under way
+        self.x: dict[int, object] = {}  # slot -> hidden state of a join not yet acknowledged
+
+    def start(self, b: int, ids, spec) -> None:
+        """Prefill `ids` into slot b (free, and outside the running launch's live slots) and publish it."""
+        if self.job is not None or not self.gpu.admissions.consumed:
+            raise RuntimeError("one join at a time: the last one is still under way")
+
+        def run():
+            gpu = self.gpu
+            with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
+                x_last, _ = self.prefills[b].run(ids)
+            gpu.prepare_join(b, spec, x_last)
+            self.x[b] = x_last
+            gpu.admissions.publish(1 << b)
+
+        self.job = (b, self._pool.submit(run))
+
+    def poll(self) -> tuple[int, BaseException | None] | None:
+        """(slot, error or None) once the join under way has been published (or failed), else None."""
+        if self.job is None or not self.job[1].done():
+            return None
+        b, fut = self.job
+        self.job = None
+        return b, fut.exception()
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None or not self.gpu.admissions.consumed
+
+    def finish_launch(self) -> dict[int, object]:
+        """After a launch ended: the slots published to it that it never admitted -> their hidden states
+        (the next launch starts them as fresh slots). Waits for a join still under way."""
+        if self.job is not None:
+            self.job[1].exception()  # wait; its error is reported by poll()
+        joined = self.gpu.admissions.settle()
+        for b in [b for b in self.x if (joined >> b) & 1]:
+            del self.x[b]
+        left, self.x = self.x, {}
+        return left
+
+    def acknowledged(self) -> None:
+        """Forget the hidden states of joins the running launch has acknowledged."""
+        joined = self.gpu.admissions.settle()
+        for b in [b for b in self.x if (joined >> b) & 1]:
+            del self.x[b]
+
+
+class ResidentJoins:
+    """The batched engine's scheduler steps for a resident launch (mixed into BatchedMonokernelEngine,
+    replicas/monokernel_batched.py, whose state they use: _joiner, _slots, _pending, _cv)."""
+
+    def _join_resident(self, width: int) -> bool:
+        """While a resident batch launch of `width` slots runs: carry the join under way forward, or start
+        the next pending request's (a free slot of the launch, no session KV to restore: that needs the
+        yield). True while a join is under way, so the launch is not asked to yield for it."""
+        j = self._joiner
+        j.acknowledged()
+        done = j.poll()
+        if done is not None and done[1] is not None:  # its prefill failed: that request ends with the error
+            self._fail_join(*done)
+        if j.busy:
+            return True
+        with self._cv:
+            free = [b for b in range(width) if self._slots[b] is None]
+            if self._closed or not self._pending or not free or self._pending[0].session_id:
+                return False
+            r = self._pending.popleft()
+            if r.cancel.is_set():
+                r.out.put(("end", FinishReason.CANCELLED, None))
+                return True
+            b = free[0]
+            self.gpu.slot_ctrl(b)[:] = 0  # before the slot is drained: not its last occupant's words
+            self._slots[b] = r
+        r.admitted = time.perf_counter()
+        self.join_latencies.append(r.admitted - r.submitted)
+        r.spec = self._slot_spec(r)
+        j.start(b, r.ids, r.spec)
+        self.resident_joins += 1
+        return True
+
+    def _end_joins(self) -> dict[int, object]:
+        """After a resident launch ended: slots published to it that it never admitted -> their hidden
+        states (the next launch starts them); a join whose prefill failed ends its request."""
+        left = self._joiner.finish_launch()
+        done = self._joiner.poll()
+        if done is not None and done[1] is not None:
+            self._fail_join(*done)
+            left.pop(done[0], None)
+        return left
+
+    def _fail_join(self, b: int, err: BaseException) -> None:
+        r = self._slots[b]
+        with self._cv:  # the slot first: a retry must find it free
+            self._slots[b] = None
+            self._cv.notify_all()
+        r.out.put(("err", err))
