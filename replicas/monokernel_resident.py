@@ -122,8 +122,10 @@ class ResidentJoins:
 
     def _join_resident(self, width: int) -> bool:
         """While a resident batch launch of `width` slots runs: carry the join under way forward, or start
-        the next pending request's (a free slot of the launch, no session KV to restore: that needs the
-        yield). True while a join is under way, so the launch is not asked to yield for it."""
+        the next pending request's in a free slot of the launch. A request of an agent session takes the
+        yield path (its KV is restored, and earlier turns' KV stored, while no launch runs), and so does
+        a join with no free slot; a slot whose session KV is still to be copied is not free. True while a
+        join is under way, so the launch is not asked to yield for it."""
         j = self._joiner
         j.acknowledged()
         done = j.poll()
@@ -131,8 +133,9 @@ class ResidentJoins:
             self._fail_join(*done)
         if j.busy:
             return True
+        kept = {k.slot for k in self._sessions.pending}  # ended session slots whose KV is copied at launch end
         with self._cv:
-            free = [b for b in range(width) if self._slots[b] is None]
+            free = [b for b in range(width) if self._slots[b] is None and b not in kept]
             if self._closed or not self._pending or not free or self._pending[0].session_id:
                 return False
             r = self._pending.popleft()

@@ -1,0 +1,244 @@
+"""Resident batch launches (layout option resident; csrc/mk_batch.cuh, replicas/monokernel_resident.py):
+requests join a running batch kernel at a step boundary, with no relaunch.
+
+(1) The host's admission words, alone. (2) The real kernel on the CPU emulation
+(replicas/monokernel_emu_batch.py; its batch build on 3 blocks, the single build on 4 with its own
+fused-down packing): a slot that joins while others decode, at launch step 0 of an empty launch, or
+after every slot has finished (the weight stream restarted) gets exactly the tokens the B = 1 kernel
+gives it alone; a publication the launch ends before taking is never acknowledged; an idle launch
+ends after its idle time. (3) The batched engine's scheduler on that kernel: joins without a
+relaunch, exact greedy tokens, seeded sampling as alone, cancel; a session's turns take the yield
+path, and a slot whose session KV is not yet stored is not given to a joiner. Tiny model, greedy unless said; the emulation is exact, so equality.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from replicas import layout as L
+from replicas.checkpoint import preset_config
+from replicas.engine import FinishReason, SamplingParams
+from replicas.layout import KernelLayout, LayoutError
+from replicas.monokernel_resident import Admissions
+
+emu_only = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"),
+                              reason="the CPU emulation needs g++ on x86-64 (its fiber switch is x86-64 assembly)")
+FUSED = {"fused_mlp": True, "fused_attn_o": True}
+
+
+# ---- (1) the admission words ----------------------------------------------------------------
+def test_admissions_publish_in_order_and_wait_for_the_acknowledgement():
+    kctl = np.zeros(L.KCTL_WORDS, np.int32)
+    a = Admissions(kctl)
+    assert a.consumed and a.settle() == 0
+    a.publish(0b100)
+    assert (kctl[L.KCTL_ADMIT_MASK], kctl[L.KCTL_ADMIT_SEQ]) == (0b100, 1)
+    assert not a.consumed and a.settle() == 0
+    with pytest.raises(RuntimeError, match="not acknowledged"):
+        a.publish(0b10)  # the kernel reads the mask once per sequence number: no overwrite before the ack
+    kctl[L.KCTL_ADMIT_ACK] = 1  # what the kernel writes when the slots join
+    assert a.consumed and a.settle() == 0b100 and a.settle() == 0
+    a.publish(0b10)
+    assert kctl[L.KCTL_ADMIT_SEQ] == 2
+    for bad in (0, 1 << L.MAX_BATCH):
+        kctl[L.KCTL_ADMIT_ACK] = a.seq
+        with pytest.raises(ValueError, match="one bit per slot"):
+            a.publish(bad)
+    kctl[:] = 0
+    a.reset()  # a new launch zeroes the words
+    assert a.consumed and a.seq == 0
+
+
+def test_resident_layouts_flags_and_shared_memory():
+    c = preset_config("llama-3.2-1b")
+    plain = KernelLayout.from_config(c, 2048, num_sms=116, batch=4, **FUSED)
+    res = KernelLayout.from_config(c, 2048, num_sms=116, batch=4, resident=True, **FUSED)
+    flags = res.compile_flags()
+    assert "-DMK_RESIDENT=1" in flags and f"-DMK_RED_FLOATS={res.red_floats}" in flags
+    assert not any("RESIDENT" in f for f in plain.compile_flags())
+    # every slot's row (8 bytes a field) and stop ids, 8-byte aligned, on top of the plain build's
+    assert res.smem_fixed - plain.smem_fixed == 8 + 4 * (8 * len(L.SLOT_FIELDS) + 4 * L.MAX_STOP_IDS)
+    assert res.smem_bytes <= L.SMEM_LIMIT
+    assert res.param_fields()[-len(L.RESIDENT_PARAM_FIELDS):] == L.RESIDENT_PARAM_FIELDS
+    assert plain.packed_shapes() == res.packed_shapes()
+    with pytest.raises(LayoutError, match="resident.*need batch > 1"):
+        KernelLayout.from_config(c, 2048, resident=True, **FUSED)
+
+
+# ---- (2) the kernel on the CPU emulation ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    from replicas.model import ModelConfig
+    from replicas.monokernel_emu import EmuModel
+    from replicas.weights import load_weights
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    tensors = load_weights(tiny_checkpoint, cfg, dtype="raw")
+    return cfg, tensors, EmuModel(cfg, tensors)
+
+
+@pytest.fixture(scope="module")
+def resident_gpu(tiny):
+    from replicas.monokernel_emu_batch import EmuBatchGpu
+
+    cfg, tensors, _ = tiny
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True)
+    assert (gpu.layout.num_sms, gpu.single_layout.num_sms) == (3, 4)  # two grids: two fused-down packings
+    return gpu
+
+
+def _wait(cond, timeout=120.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out waiting for the emulated kernel"
+        time.sleep(0.005)
+
+
+@emu_only
+def test_slots_join_while_decoding_at_step_zero_and_after_every_slot_finished(tiny, resident_gpu):
+    from replicas.monokernel_batch import SlotSpec
+    from replicas.monokernel_prefill import Prefill
+
+    cfg, _, one = tiny
+    gpu = resident_gpu
+    pre = [Prefill(gpu.slot_view(b), np) for b in range(4)]
+    rng = np.random.default_rng(41)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (9, 12, 7, 10)]
+    budget = [5, 14, 6, 4]
+    done = lambda b: bool(gpu.slot_ctrl(b)[L.CTRL_DONE])
+
+    def join(b):
+        x, _ = pre[b].run(prompts[b])
+        gpu.prepare_join(b, SlotSpec(start_pos=len(prompts[b]), max_steps=budget[b]), x)
+        gpu.admissions.publish(1 << b)
+        _wait(lambda: gpu.admissions.settle() == 1 << b)
+
+    launches = gpu.launches
+    gpu.launch_slots([None] * 4, fresh={}, idle_ns=int(60e9))  # nothing to decode: it waits
+    join(2)  # at step 0
+    join(1)  # while slot 2 decodes
+    _wait(lambda: done(1) and done(2))
+    join(0)  # every slot had finished: the launch was idle
+    _wait(lambda: gpu.slot_ctrl(0)[L.CTRL_COUNT] >= 2)
+    join(3)  # slot 3 while slot 0 decodes
+    _wait(lambda: done(0) and done(3))
+    assert not gpu.stream.done  # still resident, idle
+    gpu.request_yield()
+    gpu.synchronize()
+    assert gpu.launches == launches + 1
+    for b in range(4):
+        assert gpu.slot_tokens(b)[:budget[b]].tolist() == one.generate_greedy(prompts[b], budget[b]), b
+        assert int(gpu.slot_ctrl(b)[L.CTRL_STATUS]) == L.STATUS_LENGTH
+
+
+@emu_only
+def test_an_idle_launch_ends_after_its_idle_time_and_a_late_publication_is_not_taken(tiny, resident_gpu):
+    from replicas.monokernel_batch import SlotSpec
+
+    cfg, _, _ = tiny
+    gpu = resident_gpu
+    t0 = time.monotonic()
+    gpu.launch_slots([None] * 4, fresh={}, idle_ns=int(0.3e9))
+    gpu.synchronize()
+    assert 0.25 < time.monotonic() - t0 < 30
+    # published after the launch decided to leave (the host asked for the GPU back): not acknowledged,
+    # so the scheduler knows the slot never joined and starts it in its next launch
+    gpu.launch_slots([None] * 4, fresh={}, idle_ns=int(60e9))
+    gpu.request_yield()
+    gpu.synchronize()
+    gpu.prepare_join(1, SlotSpec(start_pos=3, max_steps=4), np.ones(cfg.hidden_size, np.float32))
+    gpu.admissions.publish(0b10)
+    assert not gpu.admissions.consumed and gpu.admissions.settle() == 0
+    assert gpu.slot_ctrl(1)[L.CTRL_COUNT] == 0
+
+
+# ---- (3) the batched engine's scheduler -----------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny, resident_gpu):
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_prefill import Prefill
+
+    cfg, _, _ = tiny
+    eng = BatchedMonokernelEngine.around(cfg, resident_gpu, lambda view: Prefill(view, np))
+    yield eng
+    eng.close()
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+@emu_only
+def test_requests_join_a_running_batch_launch_without_a_relaunch(tiny, resident_gpu, engine):
+    cfg, _, one = tiny
+    gpu, eng = resident_gpu, engine
+    rng = np.random.default_rng(42)
+    pa, pb, pc, pd = (rng.integers(0, cfg.vocab_size, n).tolist() for n in (13, 8, 10, 6))
+    a = eng.generate(pa, greedy(30))
+    head_a = [next(a)]  # alone: the single-sequence build
+    b = eng.generate(pb, greedy(24))
+    head_b = [next(b)]  # the join made the single launch yield: now a resident batch launch of both
+    launches, joins = gpu.launches, eng.resident_joins
+    out_c = list(eng.generate(pc, greedy(5)))
+    out_d = list(eng.generate(pd, greedy(4)))
+    assert (gpu.launches, eng.resident_joins) == (launches, joins + 2)  # both joined the running launch
+    assert head_a + list(a) == one.generate_greedy(pa, 30)
+    assert head_b + list(b) == one.generate_greedy(pb, 24)
+    assert out_c == one.generate_greedy(pc, 5) and out_d == one.generate_greedy(pd, 4)
+    assert len(eng.join_latencies) >= 4
+
+
+@emu_only
+def test_a_joined_request_samples_as_alone_and_cancels_within_a_step(tiny, resident_gpu, engine):
+    cfg, _, _ = tiny
+    gpu, eng = resident_gpu, engine
+    rng = np.random.default_rng(43)
+    prompt = rng.integers(0, cfg.vocab_size, 11).tolist()
+    seeded = SamplingParams(max_tokens=6, temperature=0.8, top_k=6, seed=9, ignore_eos=True)
+    alone = list(eng.generate(prompt, seeded))  # the single build
+    x = eng.generate(rng.integers(0, cfg.vocab_size, 7).tolist(), greedy(40))
+    y = eng.generate(rng.integers(0, cfg.vocab_size, 9).tolist(), greedy(40))
+    next(x), next(y)
+    joins = eng.resident_joins
+    assert list(eng.generate(prompt, seeded)) == alone
+    long_g = eng.generate(prompt, greedy(200))
+    got = [next(long_g), next(long_g)]
+    long_g.cancel()
+    rest = list(long_g)
+    assert eng.resident_joins == joins + 2
+    assert long_g.finish_reason is FinishReason.CANCELLED and len(got) + len(rest) < 200
+    x.cancel(), y.cancel()
+    list(x), list(y)
+
+
+@emu_only
+def test_session_turns_take_the_yield_path_and_their_kept_slot_waits_for_its_copy(tiny, resident_gpu, engine):
+    cfg, _, one = tiny
+    gpu, eng = resident_gpu, engine
+    rng = np.random.default_rng(44)
+    prompt = rng.integers(0, cfg.vocab_size, 12).tolist()
+    a = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 0
+    b = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 1
+    next(a), next(b)
+    g1 = eng.generate(prompt, greedy(6), session_id="res")  # slot 2, through a yield
+    out1 = [next(g1)]
+    filler = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 3, joins
+    next(filler)
+    out1 += list(g1)  # slot 2 ends; its KV is copied when this launch ends
+    launches = gpu.launches
+    plain = list(eng.generate(prompt, greedy(3)))  # the only free slot is 2: it must wait for the copy
+    assert gpu.launches > launches
+    turn2 = prompt + out1 + rng.integers(0, cfg.vocab_size, 3).tolist()
+    g2 = eng.generate(turn2, greedy(4), session_id="res")
+    out2 = list(g2)
+    assert g2.reused_tokens == len(prompt) + len(out1) - 1
+    assert out1 == one.generate_greedy(prompt, 6) and plain == one.generate_greedy(prompt, 3)
+    assert out2 == one.generate_greedy(turn2, 4)  # the stored rows were turn 1's, not the plain request's
+    for g in (a, b, filler):
+        g.cancel()
+        list(g)
