@@ -48,6 +48,9 @@ class ReplicaSettings(_Section):
     cpus_per_replica: float = Field(1.0, gt=0, description="CPUs reserved in each replica's placement group.")
     max_batch: int = Field(
         1, ge=1, description="Concurrent generations per engine (slots); monokernel: 2..8 = the batched engine.")
+    resident: bool = Field(
+        False, description="Batched monokernel (max_batch 2..8): requests join a running batch launch without a "
+                           "relaunch; its batch builds leave SMs to the joiners' prefill.")
     paced_tokens_per_s: float = Field(200.0, gt=0, description="Token rate of the `paced` test engine.")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="Prometheus port of each replica (one per node); 0 = any; null = off.")
@@ -63,6 +66,8 @@ class ReplicaSettings(_Section):
     def _check(self) -> ReplicaSettings:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max}): set min <= max")
+        if self.resident and self.max_batch < 2:
+            raise ValueError("resident is for the batched monokernel: set max_batch to 2..8 or drop resident")
         tp = self.tensor_parallel_size
         if tp is not None:
             if self.gpus_per_replica == 0:
@@ -147,7 +152,7 @@ class ClusterConfig(_Section):
         rs = self.replicas
         return ReplicaSpec(replica_id=replica_id, model=str(self.model) if self.model else None, engine=self.engine,
                            model_name=self.served_model_name, tensor_parallel_size=rs.tp,
-                           max_batch=rs.max_batch, paced_tokens_per_s=rs.paced_tokens_per_s,
+                           max_batch=rs.max_batch, resident=rs.resident, paced_tokens_per_s=rs.paced_tokens_per_s,
                            session_cache_mb=rs.session_cache_mb, max_sessions=rs.max_sessions,
                            extra={"metrics_port": rs.metrics_port} if rs.metrics_port is not None else {})
 

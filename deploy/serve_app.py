@@ -41,6 +41,8 @@ class ServeAppArgs(BaseModel):
     tensor_parallel_size: int | None = Field(None, ge=1)
     max_batch: int = Field(1, ge=1, description="Engine slots = Serve max_ongoing_requests per replica; "
                                                 "monokernel: 2..8 = the batched engine.")
+    resident: bool = Field(False, description="Batched monokernel: requests join a running batch launch "
+                                              "without a relaunch (needs max_batch 2..8).")
     paced_tokens_per_s: float = Field(200.0, gt=0)
     # None = the engine default
     session_cache_mb: float | None = Field(None, ge=0, allow_inf_nan=False,
@@ -64,6 +66,8 @@ class ServeAppArgs(BaseModel):
         problem = fields_problem(self.engine, self.max_batch, self.tp, tp_given=tp is not None)
         if problem:
             raise ValueError(problem)
+        if self.resident and self.max_batch < 2:
+            raise ValueError("resident is for the batched monokernel: set max_batch to 2..8 or drop resident")
         return self
 
     @property
@@ -96,7 +100,7 @@ def build_app(args: dict | None = None):
         raise ValueError(f"invalid monoserve Serve app arguments: {problems}") from None
     spec = ReplicaSpec(replica_id="serve", model=a.model, engine=a.engine, model_name=a.served_name,
                        tensor_parallel_size=a.tp,
-                       max_batch=a.max_batch, paced_tokens_per_s=a.paced_tokens_per_s,
+                       max_batch=a.max_batch, resident=a.resident, paced_tokens_per_s=a.paced_tokens_per_s,
                        session_cache_mb=a.session_cache_mb, max_sessions=a.max_sessions)
     bundle = placement_bundle(a.gpus_per_replica, a.cpus_per_replica)
     replica = EngineReplica.options(

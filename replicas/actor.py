@@ -39,6 +39,7 @@ class ReplicaSpec:
     model_name: str | None = None
     tensor_parallel_size: int = 1
     max_batch: int = 1  # monokernel: 2..8 = the batched engine (one per GPU: tensor_parallel_size 1)
+    resident: bool = False  # batched monokernel: requests join a running launch (replicas/monokernel_resident.py)
     paced_tokens_per_s: float = 200.0
     # agent-session KV kept between turns (engines that support sessions; ignored by the others).
     # None = the default (1024 MiB, 64 sessions)
@@ -62,6 +63,9 @@ class ReplicaSpec:
                              f"(0 turns session reuse off), got {n!r}")
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             raise ValueError(f"replica {self.replica_id}: max_batch must be an integer >= 1, got {self.max_batch!r}")
+        if self.resident and self.max_batch < 2:
+            raise ValueError(f"replica {self.replica_id}: resident is for the batched monokernel; set max_batch "
+                             "to 2..8 or drop resident")
         problem = self.batch_problem(self.engine)  # `auto`: judged once it picked (monokernel_loader)
         if problem:
             raise ValueError(f"replica {self.replica_id}: {problem}")
@@ -143,7 +147,8 @@ def monokernel_loader(spec: ReplicaSpec):
         from replicas.monokernel_batched import BatchedMonokernelEngine
 
         limits = spec.session_limits()  # sessions' KV kept per engine, as on the single-sequence one
-        return lambda group: BatchedMonokernelEngine.from_pretrained(spec.model, batch=batch, devices=group, **limits)
+        return lambda group: BatchedMonokernelEngine.from_pretrained(spec.model, batch=batch, devices=group,
+                                                                     resident=spec.resident, **limits)
     from replicas.monokernel import MonokernelEngine
 
     limits = supported_kwargs(MonokernelEngine.from_pretrained, spec.session_limits())

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=1,
                    help="concurrent generations (default 1); monokernel: 2..8 decodes that many together on one GPU "
                         "(BatchedMonokernelEngine: more aggregate tokens/s, slower per request)")
+    p.add_argument("--resident", action="store_true",
+                   help="monokernel with --max-batch 2..8: requests join a running batch launch without a relaunch "
+                        "(its batch builds leave SMs to the joiners' prefill)")
     p.add_argument("--replica-id", default=None, help="id reported in load and info (default host:port)")
     p.add_argument("--model-name", default=None, help="model name reported by GetInfo (default: directory name)")
     p.add_argument("--tokens-per-s", type=float, default=1000.0, help="paced engine: output rate")
@@ -76,6 +79,9 @@ def make_engine(args: argparse.Namespace):
 
     if args.max_batch < 1:
         raise EngineUnavailable(f"--max-batch must be >= 1, got {args.max_batch}")
+    resident = bool(getattr(args, "resident", False))  # (`generate` has no such flag)
+    if resident and (args.engine != "monokernel" or args.max_batch < 2):
+        raise EngineUnavailable("--resident is for the batched monokernel: use --engine monokernel --max-batch 2..8")
     if args.engine == "paced":
         from replicas.testing import PacedEngine
         kw = dict(tokens_per_s=args.tokens_per_s, max_batch=args.max_batch)
@@ -103,7 +109,7 @@ def make_engine(args: argparse.Namespace):
     try:
         if args.max_batch > 1:
             return BatchedMonokernelEngine.from_pretrained(args.model, batch=args.max_batch, devices=args.devices,
-                                                           **sessions)
+                                                           resident=resident, **sessions)
         return MonokernelEngine.from_pretrained(args.model, devices=args.devices, **sessions)  # ignored over TP
     except MonokernelUnavailable as e:  # CuPy imports but finds no usable GPU
         raise EngineUnavailable(str(e)) from None

@@ -92,7 +92,8 @@ def test_generate_builds_the_batched_monokernel_when_asked(tiny_checkpoint, mono
     assert main(base) == 0
     assert "3 generated" in capsys.readouterr().err
     assert [name for name, _ in monokernel_builds] == ["BatchedMonokernelEngine", "MonokernelEngine"]
-    assert monokernel_builds[0][1] == {"batch": 4, "devices": [0], "session_cache_bytes": 2**30, "max_sessions": 64}
+    assert monokernel_builds[0][1] == {"batch": 4, "devices": [0], "resident": False, "session_cache_bytes": 2**30,
+                                       "max_sessions": 64}
 
 
 def test_generate_max_batch_refusals(tiny_checkpoint, monkeypatch, capsys):
@@ -108,3 +109,20 @@ def test_generate_max_batch_refusals(tiny_checkpoint, monkeypatch, capsys):
     assert "error: --max-batch 2 with --devices 0,1: tensor parallelism and batching" in capsys.readouterr().err
     assert main(base + ["--max-batch", "0"]) == 2
     assert "error: --max-batch must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_replica_resident_flag_needs_the_batched_monokernel(tiny_checkpoint, monokernel_builds):
+    import argparse
+
+    from replicas import cli_replica
+    from replicas.cli_replica import EngineUnavailable
+
+    p = argparse.ArgumentParser()
+    cli_replica.add_arguments(p)
+    base = ["--model", str(tiny_checkpoint), "--resident"]
+    for extra in (["--engine", "reference", "--max-batch", "4"], ["--engine", "monokernel"]):
+        with pytest.raises(EngineUnavailable, match="--resident is for the batched monokernel"):
+            cli_replica.make_engine(p.parse_args(base + extra))
+    cli_replica.make_engine(p.parse_args(base + ["--engine", "monokernel", "--max-batch", "2"]))
+    assert monokernel_builds[-1] == ("BatchedMonokernelEngine", {"batch": 2, "devices": [0], "resident": True,
+                                                                 "session_cache_bytes": 2**30, "max_sessions": 64})

@@ -102,6 +102,11 @@ def test_batched_monokernel_config_reaches_the_replica_spec():
     one_gpu = ClusterConfig.parse({"model": "m", "engine": "monokernel",
                                    "replicas": {"max_batch": 8, "gpus_per_replica": 1}})
     assert one_gpu.replica_spec("r").tensor_parallel_size == 1
+    resident = ClusterConfig.parse({"model": "m", "engine": "monokernel",
+                                    "replicas": {"max_batch": 4, "tensor_parallel_size": 1, "resident": True}})
+    assert resident.replica_spec("r").resident and not spec.resident
+    with pytest.raises(ClusterConfigError, match="resident is for the batched monokernel: set max_batch to 2..8"):
+        ClusterConfig.parse({"model": "m", "engine": "monokernel", "replicas": {"resident": True}})
     # auto may pick the reference engine (any max_batch); the actor falls back on a GPU (see make_engine)
     assert ClusterConfig.parse({"model": "m", "replicas": {"max_batch": 16}}).replicas.max_batch == 16
 

@@ -82,12 +82,14 @@ def test_monokernel_max_batch_builds_one_batched_engine_per_gpu(monokernel_build
     assert isinstance(engine, EngineGroup) and engine.max_batch == 8  # 2 GPUs x 4 slots
     assert sorted(kw["devices"] for _, kw in monokernel_builds) == [[0], [1]]
     assert {name for name, _ in monokernel_builds} == {"BatchedMonokernelEngine"}
-    assert all(kw == {"batch": 4, "devices": kw["devices"], "session_cache_bytes": 2**30, "max_sessions": 64}
-               for _, kw in monokernel_builds)
+    assert all(kw == {"batch": 4, "devices": kw["devices"], "resident": False, "session_cache_bytes": 2**30,
+                      "max_sessions": 64} for _, kw in monokernel_builds)
     make_engine(ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=2, max_sessions=8,
-                            session_cache_mb=0.5), [0])  # each batched engine keeps sessions' KV, so sized
-    assert monokernel_builds[-1] == ("BatchedMonokernelEngine", {"batch": 2, "devices": [0],
+                            session_cache_mb=0.5, resident=True), [0])  # each batched engine keeps sessions' KV
+    assert monokernel_builds[-1] == ("BatchedMonokernelEngine", {"batch": 2, "devices": [0], "resident": True,
                                                                  "session_cache_bytes": 2**19, "max_sessions": 8})
+    with pytest.raises(ValueError, match="resident is for the batched monokernel; set max_batch to 2..8"):
+        ReplicaSpec(replica_id="r", model="/m", engine="monokernel", resident=True)
 
 
 def test_monokernel_max_batch_one_keeps_the_single_sequence_engine_and_its_sessions(monokernel_builds):

@@ -93,6 +93,9 @@ def test_serve_app_refuses_what_the_monokernel_cannot_batch():
         build_app({"model": "/m", "engine": "monokernel", "max_batch": 4})
     with pytest.raises(ValueError, match="max_batch 9: the monokernel decodes at most 8 sequences"):
         build_app({"model": "/m", "engine": "monokernel", "max_batch": 9, "tensor_parallel_size": 1})
+    assert ServeAppArgs(model="/m", engine="monokernel", max_batch=2, tensor_parallel_size=1, resident=True).resident
+    with pytest.raises(ValueError, match="resident is for the batched monokernel: set max_batch to 2..8"):
+        build_app({"model": "/m", "engine": "monokernel", "resident": True, "tensor_parallel_size": 1})
     # the batched engine keeps sessions' KV: the session settings are accepted with max_batch > 1
     args = ServeAppArgs(model="/m", engine="monokernel", max_batch=2, tensor_parallel_size=1, max_sessions=3)
     assert (args.slots, args.max_sessions) == (16, 3)
