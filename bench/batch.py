@@ -63,7 +63,9 @@ def _time_prefills(engine) -> list:
         def timed(*a, _run=run, **k):
             t = time.perf_counter()
             out = _run(*a, **k)
-            cp.cuda.runtime.deviceSynchronize()  # (between launches: the GPU runs only the prefill here)
+            # the prefill's stream: the engine's between launches, or a resident engine's prefill stream
+            # while its kernel decodes (a device-wide sync would wait for that kernel)
+            cp.cuda.get_current_stream().synchronize()
             log.append((t, time.perf_counter() - t))
             return out
         pre.run = timed
@@ -158,7 +160,8 @@ def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, ru
 
 
 def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
-                 variants: list[str] | None = None, sub_builds: bool = True, layout: str = "") -> dict:
+                 variants: list[str] | None = None, sub_builds: bool = True, layout: str = "",
+                 resident: bool = False) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -183,7 +186,7 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
     for b in builds:
         from bench.decode import ab_options
         eng = BatchedMonokernelEngine(config, tensors, batch=b, max_context=2048, sub_builds=sub_builds,
-                                      layout_options=ab_options(layout) if layout else None)
+                                      layout_options=ab_options(layout) if layout else None, resident=resident)
         ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(b)]
         run_together(eng, ps[:1], 32)  # warm-up
         row = {"batch": b, "compile_s": round(eng.gpu.compile_seconds, 1), "ring": eng.gpu.layout.ring_slots,
@@ -201,9 +204,15 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
             print(json.dumps({"preset": preset, "batch": b, "n": n, **row["occupancy"][n]}), flush=True)
             n *= 2
         if b == max(builds) and not profile:
-            row["join"] = join_cost(eng, ps[-1], ps[:max(1, b // 2)], 4 * n_new)
+            # resident: b - 1 running on the full build, so the joiner has a free slot in the running launch
+            running = ps[:b - 1] if resident else ps[:max(1, b // 2)]
+            joins0, launches0 = getattr(eng, "resident_joins", 0), eng.launches
+            row["join"] = join_cost(eng, ps[-1], running, 4 * n_new)
+            row["join"]["resident_joins"] = getattr(eng, "resident_joins", 0) - joins0
+            row["join"]["relaunches"] = eng.launches - launches0
             print(json.dumps({"preset": preset, "batch": b, "join": row["join"]}), flush=True)
         row["launches"] = eng.launches
+        row["resident"] = resident
         eng.close()
         del eng
         cp.get_default_memory_pool().free_all_blocks()
@@ -227,6 +236,8 @@ def main() -> None:
     ap.add_argument("--layout", default="",
                     help="layout options of the batched engines in the occupancy table (--ab syntax, e.g. mma or "
                          "mma+ao_slots); the single-sequence row stays the default engine")
+    ap.add_argument("--resident", action="store_true",
+                    help="resident batched engines (requests join a running launch; batch builds on fewer SMs)")
     ap.add_argument("--peer", action="store_true",
                     help="also time the peer (HF transformers, static cache, batch 1) on each preset in the same run")
     args = ap.parse_args()
@@ -238,12 +249,13 @@ def main() -> None:
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
         results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
-                                               args.variants, args.sub_builds, args.layout))
+                                               args.variants, args.sub_builds, args.layout, args.resident))
         if args.peer:
             cp.get_default_memory_pool().free_all_blocks()
             results["presets"][-1]["peer"] = bench_peer(preset, args.new_tokens, args.runs)
     lines = [f"copy bandwidth {results['copy_TBps']} TB/s; {args.new_tokens} new greedy tokens per request, 32-token prompts"
-             + (f"; batched engines with layout {args.layout}" if args.layout else ""),
+             + (f"; batched engines with layout {args.layout}" if args.layout else "")
+             + ("; resident batched engines" if args.resident else ""),
              "", "| model | build B | requests | per-request tok/s | vs B=1 engine | aggregate tok/s |",
              "|---|---|---|---|---|---|"]
     for pr in results["presets"]:
@@ -266,7 +278,9 @@ def main() -> None:
                              f"{j['ttft_idle_ms']} ms, joining {j['ttft_joining_ms']} ms (+{j['join_overhead_ms']}; "
                              f"beyond the request's own prefill, {j['prefill_idle_ms']} / {j['prefill_joining_ms']} ms: "
                              f"+{j['join_overhead_beyond_prefill_ms']}), "
-                             f"running slots' worst token gap {j['running_worst_gap_ms']} ms")
+                             f"running slots' worst token gap {j['running_worst_gap_ms']} ms"
+                             + (f"; resident: {j['resident_joins']} joins into the running launch, "
+                                f"{j['relaunches']} relaunches" if row.get("resident") else ""))
     md = "\n".join(lines)
     print(md)
     if args.out:

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 9's resident kernel on ONE H200 (after h200_next_single.sh if both fit; ~8 minutes):
+# 1. gpu tests: resident builds (116 SMs, their own fused-down packing) vs the single engine and transformers,
+#    requests joining the running launch; 2. bench: B = 4 resident vs not, per-request tok/s at 1/2/4 and the
+#    join's cost beyond the joiner's prefill (3 running, the 4th joins), peer and copy bandwidth in the same run.
+# Predictions: resident per-request speed at 4 of 4 within ~5% of the 132-SM build (HBM-bound; 116 SMs may still
+# saturate it); join cost beyond prefill <= 1 step (~1.7 ms at B = 4) with no relaunch; the joiner's prefill
+# slower on 16 SMs (weights at maybe 1 TB/s: ~3 ms for 1B) and the running slots' worst gap ~1 step, not ~15 ms.
+#   run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash bench/h200_resident.sh")
+set -u
+DEADLINE=${DEADLINE:-585}
+. bench/device_stage.sh
+RES=/tmp/mk_res; mkdir -p "$RES"
+stage res_tests 150 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider tests/test_monokernel_resident_gpu.py
+stage res_bench 200 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --resident --peer --out "$RES/res"
+stage plain_bench 150 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --out "$RES/plain"
+{ echo "total ${SECONDS}s"; echo; cat "$RES/res/batch.md" "$RES/plain/batch.md" 2>/dev/null; } >> "$OUT/summary.txt"
+cp "$RES/res/batch.json" "$OUT/resident.json" 2>/dev/null; cp "$RES/plain/batch.json" "$OUT/plain.json" 2>/dev/null
+cat "$OUT/summary.txt"; tail -n 3 "$OUT/res_tests.log"

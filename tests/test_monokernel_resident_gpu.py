@@ -1,0 +1,83 @@
+"""Resident batch launches on a GPU (layout option resident, replicas/monokernel_resident.py): requests
+join a running batch kernel while it decodes, their prefill on the SMs the resident builds leave free.
+
+Oracles as tests/test_monokernel_batch_gpu.py: the single-sequence engine on every SM (each request's
+greedy tokens exactly; teacher-forced logits within SAME = 1e-4, fp32 rounding of the fixed-point sums
+and the attention combine) and transformers in fp32 (TOL = 2e-2). The resident engine's batch builds
+run on `132 - PREFILL_SMS` SMs with their own fused-down packing, its single build on all of them with
+the other: both packings are checked. Marked `gpu` (CI deselects it; the CPU side is
+tests/test_monokernel_resident_cpu.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+TOL, SAME, BATCH = 2e-2, 1e-4, 4
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module", params=["tiny", "llama-3.2-1b"])
+def engines(request, tmp_path_factory):
+    pytest.importorskip("cupy")
+    from replicas.checkpoint import make_checkpoint
+    from replicas.monokernel import MonokernelEngine
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_resident import PREFILL_SMS
+
+    path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
+    one = MonokernelEngine.from_pretrained(path, max_context=1024)
+    res = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, resident=True)
+    sms = one.gpu.layout.num_sms
+    assert res.gpu.layout.num_sms == sms - PREFILL_SMS and res.gpu.single_layout.num_sms == sms
+    yield path, one, res
+    res.close()
+
+
+def greedy(n):
+    from replicas.engine import SamplingParams
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_teacher_forced_slots_on_the_resident_grid_match_single_and_transformers(engines):
+    from tests.test_monokernel_gpu import hf_logits
+
+    path, one, res = engines
+    rng = np.random.default_rng(61)
+    seqs = [rng.integers(0, one.config.vocab_size, n).tolist() for n in (180, 64, 120, 33)]
+    got = res.forward_logits_slots(seqs)
+    for s, g in zip(seqs, got):
+        assert g.shape == (len(s), one.config.vocab_size) and np.isfinite(g).all()
+        assert rel(g, one.forward_logits(s)) <= SAME
+    assert rel(got[0], hf_logits(path, seqs[0])) <= TOL
+
+
+def test_requests_join_the_running_launch_and_get_the_single_engines_tokens(engines):
+    _, one, res = engines
+    rng = np.random.default_rng(62)
+    ps = [rng.integers(0, one.config.vocab_size, int(rng.integers(8, 60))).tolist() for _ in range(6)]
+    lens = [160, 150, 140, 12, 10, 8]
+    gens = [res.generate(ps[0], greedy(lens[0]))]
+    heads = [[next(gens[0])]]  # alone: the single build (every SM, its own down packing)
+    for k in (1, 2):  # the first two joins relaunch (no free slot in the running build)
+        gens.append(res.generate(ps[k], greedy(lens[k])))
+        heads.append([next(gens[k])])
+    launches, joins = res.launches, res.resident_joins
+    t0 = time.perf_counter()
+    outs_late = []
+    for k in (3, 4, 5):  # each joins the running 4-slot launch (slot 3, freed by the last one each time)
+        outs_late.append(list(res.generate(ps[k], greedy(lens[k]))))
+    joined_s = time.perf_counter() - t0
+    outs = [h + list(g) for h, g in zip(heads, gens)]
+    assert (res.launches, res.resident_joins) == (launches, joins + 3), "the joins relaunched the kernel"
+    for p, n, o in zip(ps, lens, outs + outs_late):
+        assert o == list(one.generate(p, greedy(n)))
+    print(f"three joins into a running launch and their {sum(lens[3:])} tokens: {joined_s * 1e3:.1f} ms")
