@@ -72,8 +72,11 @@ MK_DEVICE void resident_load_slot(const MkParams& p, int b, int step, bool join)
 // any admission it published since `seen` (layout_params.py KCTL_*), into cancel_step[kB .. kB + 2] for
 // every block to read after the next grid barrier. Returns whether there is something to act on.
 MK_DEVICE bool resident_poll(const MkParams& p, unsigned seen) {
-  const int yield = p.host_kctl[MK_KCTL_YIELD];
-  const unsigned seq = (unsigned)p.host_kctl[MK_KCTL_ADMIT_SEQ];
+  static_assert(MK_KCTL_YIELD == 0 && MK_KCTL_ADMIT_SEQ == 1, "YIELD and ADMIT_SEQ are read in one 8-byte load");
+  // one host round trip a step, as the non-resident builds' yield read (host_kctl is page-aligned pinned memory)
+  const unsigned long long w = *reinterpret_cast<volatile unsigned long long*>(p.host_kctl);
+  const int yield = (int)(unsigned)(w & 0xffffffffull);
+  const unsigned seq = (unsigned)(w >> 32);
   unsigned mask = 0;
   if (seq != seen) {
     __threadfence_system();  // the mask the host wrote before this sequence number, not an older one

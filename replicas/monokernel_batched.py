@@ -262,6 +262,8 @@ class BatchedMonokernelEngine(ResidentJoins):
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=10)
+        if self._joiner is not None:
+            self._joiner.close()
 
     # ---- the scheduler thread --------------------------------------------------------------
     def _schedule(self) -> None:
@@ -343,9 +345,10 @@ class BatchedMonokernelEngine(ResidentJoins):
             gpu.launch_single(occupied[0], self._slots[occupied[0]].spec, self._x[occupied[0]], profile=self.profile)
             self.single_launches += 1
         else:
+            extra = {"idle_ns": self.idle_ns} if self._joiner is not None else {}  # (resident launches only)
             width = gpu.launch_slots([r.spec if r is not None else None for r in self._slots],
                                      fresh={b: self._x[b] for b in occupied}, profile=self.profile,
-                                     idle_ns=self.idle_ns) or self.max_batch
+                                     **extra) or self.max_batch
         resident = self._joiner is not None and not single
         self.launches += 1
         yielded = False

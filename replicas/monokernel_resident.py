@@ -109,6 +109,10 @@ class Joiner:
         left, self.x = self.x, {}
         return left
 
+    def close(self) -> None:
+        """Stop the prefill worker (after the engine's scheduler has stopped)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def acknowledged(self) -> None:
         """Forget the hidden states of joins the running launch has acknowledged."""
         joined = self.gpu.admissions.settle()

@@ -242,3 +242,42 @@ def test_session_turns_take_the_yield_path_and_their_kept_slot_waits_for_its_cop
     for g in (a, b, filler):
         g.cancel()
         list(g)
+
+
+@emu_only
+def test_a_resident_build_computes_the_batch_builds_numbers(tiny):
+    """Teacher forcing through a resident build's slot copies in shared memory: bit-identical logits to the
+    plain batch build on the same grid (only where each slot's settings are read from differs)."""
+    from tests.test_monokernel_emu_cpu import logits_pair
+
+    cfg, tensors, _ = tiny
+    ids = np.random.default_rng(45).integers(0, cfg.vocab_size, 26).tolist()
+    want, got, res = logits_pair(cfg, tensors, ids, 4, {"resident": True})
+    assert "-DMK_RESIDENT=1" in res.layout.compile_flags()
+    assert np.abs(want).max() > 0 and np.array_equal(want, got)
+
+
+@emu_only
+def test_a_join_whose_prefill_fails_ends_that_request_alone(tiny, resident_gpu, engine, monkeypatch):
+    cfg, _, one = tiny
+    eng = engine
+    rng = np.random.default_rng(46)
+    ps = [rng.integers(0, cfg.vocab_size, 8).tolist() for _ in range(3)]
+    bad, good = rng.integers(0, cfg.vocab_size, 5).tolist(), rng.integers(0, cfg.vocab_size, 6).tolist()
+    running = [eng.generate(p, greedy(60)) for p in ps]
+    heads = [[next(g)] for g in running]
+    for pre in eng._prefill:
+        real = pre.run
+
+        def run(ids, *a, _real=real, **k):
+            if list(ids) == bad:
+                raise MemoryError("out of GPU memory in the joiner's prefill (test)")
+            return _real(ids, *a, **k)
+        monkeypatch.setattr(pre, "run", run)
+    joins = eng.resident_joins
+    with pytest.raises(MemoryError, match="joiner's prefill"):
+        list(eng.generate(bad, greedy(4)))
+    assert list(eng.generate(good, greedy(4))) == one.generate_greedy(good, 4)  # its slot was freed for this one
+    assert eng.resident_joins == joins + 2
+    for p, h, g in zip(ps, heads, running):  # the running requests never noticed
+        assert h + list(g) == one.generate_greedy(p, 60)

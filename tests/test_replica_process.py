@@ -146,12 +146,15 @@ def test_max_batch_above_one_builds_the_batched_monokernel_on_one_gpu(monokernel
 
     assert make_engine(_replica_args("--max-batch", "4", "--devices", "1")).max_batch == 4
     assert make_engine(_replica_args("--max-batch", "8", "--max-sessions", "0")).max_batch == 8
-    assert make_engine(_replica_args("--max-batch", "2", "--max-sessions", "8", "--session-cache-mb", "512")
-                       ).max_batch == 2
+    assert make_engine(_replica_args("--max-batch", "2", "--max-sessions", "8", "--session-cache-mb", "512",
+                                     "--resident")).max_batch == 2
     assert monokernel_builds == [  # the session settings size the batched engine's session cache
-        ("BatchedMonokernelEngine", {"batch": 4, "devices": [1], "session_cache_bytes": 2**30, "max_sessions": 64}),
-        ("BatchedMonokernelEngine", {"batch": 8, "devices": [0], "session_cache_bytes": 2**30, "max_sessions": 0}),
-        ("BatchedMonokernelEngine", {"batch": 2, "devices": [0], "session_cache_bytes": 2**29, "max_sessions": 8})]
+        ("BatchedMonokernelEngine", {"batch": 4, "devices": [1], "resident": False, "session_cache_bytes": 2**30,
+                                     "max_sessions": 64}),
+        ("BatchedMonokernelEngine", {"batch": 8, "devices": [0], "resident": False, "session_cache_bytes": 2**30,
+                                     "max_sessions": 0}),
+        ("BatchedMonokernelEngine", {"batch": 2, "devices": [0], "resident": True, "session_cache_bytes": 2**29,
+                                     "max_sessions": 8})]
 
 
 def test_max_batch_one_keeps_the_single_sequence_monokernel_with_sessions(monokernel_builds):
