@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's resident kernel on ONE H200 (after h200_next_single.sh if both fit; ~8 minutes):
+# Issue 9's resident kernel and act_bf16 on ONE H200 (after h200_next_single.sh if both fit; ~9.5 minutes):
 # 1. gpu tests: resident builds (116 SMs, their own fused-down packing) vs the single engine and transformers,
 #    requests joining the running launch; 2. bench: B = 4 resident vs not, per-request tok/s at 1/2/4 and the
 #    join's cost beyond the joiner's prefill (3 running, the 4th joins), peer and copy bandwidth in the same run.
@@ -14,6 +14,12 @@ RES=/tmp/mk_res; mkdir -p "$RES"
 stage res_tests 150 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider tests/test_monokernel_resident_gpu.py
 stage res_bench 200 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --resident --peer --out "$RES/res"
 stage plain_bench 150 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --out "$RES/plain"
-{ echo "total ${SECONDS}s"; echo; cat "$RES/res/batch.md" "$RES/plain/batch.md" 2>/dev/null; } >> "$OUT/summary.txt"
+# act_bf16 (batch builds' matvec inputs in bf16: half the per-slot shared-memory input reads, which bound B > 1).
+# Prediction: +15..25% per request at 4 of 4 (the per-slot ~330 us/step falls by a third or more). Its slots part
+# from the fp32 single engine at bf16 level, so only the tests that compare by tolerance / near-tie margin run.
+stage bf16_ab 90 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --variants act_bf16 --out "$RES/bf16"
+MK_BATCH_TEST_LAYOUT=act_bf16=1 stage bf16_tests 90 python3 -m pytest -q -m gpu -x $PT -p no:cacheprovider \
+  tests/test_monokernel_batch_gpu.py -k "llama and (teacher or greedy or joins)"
+{ echo "total ${SECONDS}s"; echo; cat "$RES/res/batch.md" "$RES/plain/batch.md" "$RES/bf16/batch.md" 2>/dev/null; } >> "$OUT/summary.txt"
 cp "$RES/res/batch.json" "$OUT/resident.json" 2>/dev/null; cp "$RES/plain/batch.json" "$OUT/plain.json" 2>/dev/null
-cat "$OUT/summary.txt"; tail -n 3 "$OUT/res_tests.log"
+cat "$OUT/summary.txt"; tail -n 3 "$OUT/res_tests.log" "$OUT/bf16_tests.log"

@@ -69,6 +69,24 @@ MK_DEVICE float dot8(uint4 w, const float* x) {
   float4 b = *reinterpret_cast<const float4*>(x + kXHi);
   MK_DOT8_BODY(w, a, b)
 }
+#ifndef MK_ACT_BF16
+#define MK_ACT_BF16 0  // layout option act_bf16 (batch builds: matvec inputs in bf16; flag only when on)
+#endif
+#if MK_ACT_BF16
+// 8 packed bf16 weights dotted with 8 packed bf16 inputs, in dot8's order (the products are exact in fp32).
+MK_DEVICE float dot8b(uint4 w, uint4 x) {
+  float s;
+  s = __uint_as_float(w.x << 16) * __uint_as_float(x.x << 16);
+  s = fmaf(__uint_as_float(w.x & 0xffff0000u), __uint_as_float(x.x & 0xffff0000u), s);
+  s = fmaf(__uint_as_float(w.y << 16), __uint_as_float(x.y << 16), s);
+  s = fmaf(__uint_as_float(w.y & 0xffff0000u), __uint_as_float(x.y & 0xffff0000u), s);
+  s = fmaf(__uint_as_float(w.z << 16), __uint_as_float(x.z << 16), s);
+  s = fmaf(__uint_as_float(w.z & 0xffff0000u), __uint_as_float(x.z & 0xffff0000u), s);
+  s = fmaf(__uint_as_float(w.w << 16), __uint_as_float(x.w << 16), s);
+  s = fmaf(__uint_as_float(w.w & 0xffff0000u), __uint_as_float(x.w & 0xffff0000u), s);
+  return s;
+}
+#endif
 #if MK_GU_IL
 // The input already loaded: gate/up interleaved (gu_il) dots a gate and an up chunk with one load of it.
 MK_DEVICE float dot8v(uint4 w, const float4& a, const float4& b) { MK_DOT8_BODY(w, a, b) }

@@ -171,6 +171,10 @@ MK_DEVICE void act_store(float* s_act, int b, int i, float v, int base = 0) {
   const int c = i >> 4, r = i & 15;
   const int word = (c * 4 * kB + b * 4 + ((r & 7) >> 1)) * 2 + (r >> 3);
   reinterpret_cast<uint16_t*>(s_act)[word * 2 + (r & 1)] = f32_to_bf16(v);
+#elif MK_ACT_BF16
+  // batch builds with act_bf16: bf16 in element order from the slot vector's start (a lane's 8 inputs of a
+  // chunk are then one 16-byte word, and a warp's loads of a chunk 512 contiguous bytes)
+  reinterpret_cast<uint16_t*>(s_act)[2 * b * kActVec + base + i] = f32_to_bf16(v);
 #else
   s_act[b * kActVec + base + xpos(i)] = v;
 #endif
@@ -270,9 +274,18 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
   for (long long u = u0; u < u1; u++) {
 #if MK_ATTN_O
     // O units (group g, row): group g's staged attention output sits at s_act + g * kLenO
-    const float* x = s_act + (MAT == MAT_O ? (int)(u / MK_H) * kLen : kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
+    const int xoff = MAT == MAT_O ? (int)(u / MK_H) * kLen : kSplit > 1 ? (int)(u % kSplit) * kLen : 0;
 #else
-    const float* x = s_act + (kSplit > 1 ? (int)(u % kSplit) * kLen : 0) + lane8;
+    const int xoff = kSplit > 1 ? (int)(u % kSplit) * kLen : 0;
+#endif
+#if MK_ACT_BF16
+    // slot b's 8 inputs of chunk c: one 16-byte load (act_store's bf16 layout)
+    const uint16_t* xh16 = reinterpret_cast<const uint16_t*>(s_act) + xoff + st.lane * 8;
+#define MK_XIN(b, c) (*reinterpret_cast<const uint4*>(xh16 + (b) * 2 * kActVec + (c) * kChunk))
+#define MK_DOTX(w, b, c) dot8b(w, MK_XIN(b, c))
+#else
+    const float* x = s_act + xoff + lane8;
+#define MK_DOTX(w, b, c) dot8(w, x + (b) * kActVec + (c) * kChunk)
 #endif
     float acc0[kB], acc1[kB];
 #pragma unroll
@@ -288,11 +301,17 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
 #pragma unroll
         for (int b = 0; b < kB; b++) {
           if (!slot_on(live, b)) continue;
+#if MK_ACT_BF16
+          const uint4 xin = MK_XIN(b, c);
+          acc0[b] += dot8b(wg, xin);
+          acc1[b] += dot8b(wu, xin);
+#else
           const float* xb = x + b * kActVec + c * kChunk;
           const float4 xa = *reinterpret_cast<const float4*>(xb);
           const float4 xh = *reinterpret_cast<const float4*>(xb + kXHi);
           acc0[b] += dot8v(wg, xa, xh);
           acc1[b] += dot8v(wu, xa, xh);
+#endif
         }
         st.release(p);
         st.release(p);
@@ -303,14 +322,14 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
       for (int c = 0; c < kChunks / 2; c++) {
         const uint4 w = st.take();
 #pragma unroll
-        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += dot8(w, x + b * kActVec + c * kChunk);
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += MK_DOTX(w, b, c);
         st.release(p);
       }
 #pragma unroll 2
       for (int c = 0; c < kChunks / 2; c++) {
         const uint4 w = st.take();
 #pragma unroll
-        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc1[b] += dot8(w, x + b * kActVec + c * kChunk);
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc1[b] += MK_DOTX(w, b, c);
         st.release(p);
       }
     } else {
@@ -318,10 +337,12 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
       for (int c = 0; c < kChunks; c++) {
         const uint4 w = st.take();
 #pragma unroll
-        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += dot8(w, x + b * kActVec + c * kChunk);
+        for (int b = 0; b < kB; b++) if (slot_on(live, b)) acc0[b] += MK_DOTX(w, b, c);
         st.release(p);
       }
     }
+#undef MK_DOTX
+#undef MK_XIN
 #pragma unroll
     for (int b = 0; b < kB; b++) {
       if (!slot_on(live, b)) continue;

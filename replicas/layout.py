@@ -145,6 +145,7 @@ class KernelLayout:
     ao_preload: bool = False  # fused_attn_o, B=1: the O stage loads split outputs and statistics together
     dn_passes: int = 1  # fused_mlp, B=1: the block's down rows in parts, each part's atomics issued when it is done
     resident: bool = False  # batch builds: requests join a running launch at a step boundary (mk_batch.cuh)
+    act_bf16: bool = False  # batch builds: matvec inputs in shared memory as bf16 (half the per-slot input reads)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -159,7 +160,7 @@ class KernelLayout:
                     mma: bool = False, param_value: bool = False, div32: bool = False,
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
                     dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
-                    resident: bool = False) -> KernelLayout:
+                    resident: bool = False, act_bf16: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -183,7 +184,8 @@ class KernelLayout:
                    split_pos=int(split_pos), batch=int(batch), ao_slots=bool(ao_slots), mma=bool(mma),
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
                    o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
-                   norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident))
+                   norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident),
+                   act_bf16=bool(act_bf16))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -397,6 +399,8 @@ class KernelLayout:
                 defs["MK_AO_SLOTS"] = 1
             if self.resident:
                 defs.update({"MK_RESIDENT": 1, "MK_RED_FLOATS": self.red_floats})
+            if self.act_bf16:
+                defs["MK_ACT_BF16"] = 1
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
         if self.param_value:

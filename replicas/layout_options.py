@@ -7,7 +7,7 @@ from replicas import layout_attn_o, layout_fused
 
 
 def option_error(lay) -> str | None:
-    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / resident, or None."""
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -20,6 +20,9 @@ def option_error(lay) -> str | None:
         return "ao_preload changes fused_attn_o's single-sequence O stage: it needs fused_attn_o and batch=1"
     if lay.ao_preload and layout_attn_o.act_floats(lay) + layout_attn_o.group_len(lay) > lay.act_floats:
         return "ao_preload: no room for its staging scratch in this model's activation buffer; drop ao_preload"
+    if lay.act_bf16 and (lay.batch == 1 or lay.mma):
+        return ("act_bf16 stores a batch build's matvec inputs as bf16 (the single-sequence build keeps fp32); it "
+                "needs batch > 1 and not mma, whose inputs are bf16 already")
     if lay.resident and lay.batch == 1:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
     if lay.dn_passes != 1:

@@ -250,3 +250,27 @@ def test_other_families_match_the_reference(preset, dims):
         assert rel(got[16:], want[16:]) <= 2e-2, options
         if options is None:
             assert rel(got[16:], m.forward_logits(ids, prefill_len=len(ids))[16:]) <= 1e-3
+
+
+def test_act_bf16_batch_builds_compute_with_bf16_inputs():
+    """act_bf16 keeps a batch build's matvec inputs in shared memory as bf16 (half the per-slot input reads).
+    The mma build has bf16 inputs too (other summation order): the two agree to 5e-3 (measured <= 2.0e-3).
+    Both sit as far from the fp32-input B = 1 kernel as bf16 rounding puts them on these random weights
+    (measured 0.7-1.7e-2 of the largest logit; bound 3e-2, the same order as the transformers tolerance)."""
+    from replicas.layout import KernelLayout, LayoutError
+    from replicas.monokernel_emu import EmuModel
+
+    cfg, tensors, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=256, num_attention_heads=8)
+    rng = np.random.default_rng(17)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (28, 19, 24)]
+    bf = EmuModel(cfg, tensors, layout_options={"batch": 4, "act_bf16": True})
+    assert "-DMK_ACT_BF16=1" in bf.layout.compile_flags()
+    mma = EmuModel(cfg, tensors, layout_options={"batch": 4, "mma": True})
+    one = EmuModel(cfg, tensors)
+    for s, got, other in zip(seqs, bf.forward_logits_slots(seqs), mma.forward_logits_slots(seqs)):
+        want = one.forward_logits(s)
+        assert rel(got, other) <= 5e-3
+        assert 1e-5 < rel(got, want) <= 3e-2  # (not the fp32 path)
+    for bad in ({"batch": 1}, {"batch": 4, "mma": True}):
+        with pytest.raises(LayoutError, match="act_bf16 .* needs batch > 1 and not mma"):
+            KernelLayout.from_config(cfg, 256, act_bf16=True, fused_mlp=True, fused_attn_o=True, **bad)
