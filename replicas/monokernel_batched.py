@@ -130,6 +130,7 @@ class BatchedMonokernelEngine(ResidentJoins):
         self._joiner = Joiner(gpu, self._prefill) if getattr(gpu, "resident", False) else None
         self.idle_ns = int(float(idle_s) * 1e9)
         self.resident_joins = 0  # requests admitted into a running launch (no relaunch)
+        self._resident_launch = False  # a resident batch launch is running (session KV is then copied at once)
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * self.max_batch
@@ -350,6 +351,7 @@ class BatchedMonokernelEngine(ResidentJoins):
                                      fresh={b: self._x[b] for b in occupied}, profile=self.profile,
                                      **extra) or self.max_batch
         resident = self._joiner is not None and not single
+        self._resident_launch = resident
         self.launches += 1
         yielded = False
         while True:
@@ -363,6 +365,7 @@ class BatchedMonokernelEngine(ResidentJoins):
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()
+        self._resident_launch = False
         unjoined = self._end_joins() if resident else {}
         self._sessions.store()  # the KV of sessions' slots that ended in this launch (before any admission)
         for b, r in enumerate(self._slots):
@@ -405,7 +408,11 @@ class BatchedMonokernelEngine(ResidentJoins):
                     self._cv.notify_all()
                 ends.append((r, ("end", status, stop)))
         try:
-            if self._sessions.pending and not any(self._slots):
+            if self._sessions.pending and self._resident_launch:
+                # a resident launch keeps running: the ended slots' rows are copied now, on the prefill
+                # stream, before their ends are sent (and before a joiner may take the slot)
+                self._sessions.store(stream=gpu.prefill_stream)
+            elif self._sessions.pending and not any(self._slots):
                 # the last slot ended: the launch is ending anyway, so the session's entry is stored
                 # before its end is sent (session_stats() is then current when the caller sees the end)
                 gpu.synchronize()

@@ -14,8 +14,13 @@ nothing is prefilled into it before the launch ends. The session's next turn is 
 (its join makes the launch yield), so it always finds the entry. Until then the entry is not
 visible in session_stats(); a slot that was the launch's last is stored before its end is sent.
 
-Tested on the CPU (tests/test_monokernel_batched_sessions_cpu.py); not yet run on a GPU
-(tests/test_monokernel_batch_gpu.py::test_a_sessions_turn_two_equals_a_fresh_request).
+With a resident engine (replicas/monokernel_resident.py) the launch may not end for a long time, so a
+session's slot is copied out as soon as it ends (on the prefill stream, which the running kernel leaves
+alone), and a later turn joining that launch gets its rows copied in on that stream before its prefill.
+
+Tested on the CPU (tests/test_monokernel_batched_sessions_cpu.py, tests/test_monokernel_resident_cpu.py) and
+on the H200 (tests/test_monokernel_batch_gpu.py::test_a_sessions_turn_two_equals_a_fresh_request; resident:
+not yet).
 """
 
 from __future__ import annotations
@@ -45,16 +50,17 @@ class SlotSessions:
         self.cache, self.gpu = cache, gpu
         self.pending: list[_Keep] = []  # slots that ended in the running launch, KV not copied yet
 
-    def restore(self, req, b: int) -> int:
-        """At admission into slot b (no launch running): take the request's lease and copy the stored
-        rows [0, reused) into the slot's cache; returns how many (0 = prefill the whole prompt)."""
+    def restore(self, req, b: int, stream=None) -> int:
+        """At admission into slot b (no launch running, or a resident launch in which slot b is free): take
+        the request's lease and copy the stored rows [0, reused) into the slot's cache, on `stream` (default
+        the engine's), where the slot's prefill follows; returns how many (0 = prefill the whole prompt)."""
         if not req.session_id:
             return 0
         req.lease = lease = self.cache.acquire(req.session_id, req.ids)
         if lease.kv is None:
             return 0
         r, view, gpu = lease.reused, self.gpu.slot_view(b), self.gpu
-        with gpu.cp.cuda.Device(gpu.device), gpu.stream:  # ordered before the prefill on the same stream
+        with gpu.cp.cuda.Device(gpu.device), stream or gpu.stream:  # ordered before the prefill on that stream
             view.k_cache[:, :, :r] = lease.kv.k[:, :, :r]
             view.v_cache[:, :, :r] = lease.kv.v[:, :, :r]
         return r
@@ -82,16 +88,20 @@ class SlotSessions:
         self.pending.append(_Keep(req, b, n, req.ids + fed))
         return True
 
-    def store(self) -> int:
-        """After the launch has ended: copy each pending slot's valid rows into the session's entry.
+    def store(self, stream=None) -> int:
+        """Copy each pending slot's valid rows into the session's entry: after the launch has ended, on the
+        engine's stream; or while a resident launch runs (which no longer touches a finished slot) on
+        `stream`, its prefill stream, waited for, so the entry is complete for any stream that reads it.
         Returns how many were pending."""
         done, gpu = 0, self.gpu
         while self.pending:
             keep = self.pending[0]
             view = gpu.slot_view(keep.slot)
             try:
-                with gpu.cp.cuda.Device(gpu.device), gpu.stream:
+                with gpu.cp.cuda.Device(gpu.device), stream or gpu.stream:
                     kv = _SessionKV(view.k_cache[:, :, :keep.n].copy(), view.v_cache[:, :, :keep.n].copy())
+                    if stream is not None:
+                        stream.synchronize()
             except gpu.cp.cuda.memory.OutOfMemoryError:  # keeping the KV is an optimisation: the turn itself succeeded
                 self.cache.discard(keep.req.lease)
             else:

@@ -43,6 +43,13 @@ class _Stream(nullcontext):
         return self.thread is None or not self.thread.is_alive()
 
 
+class _HostStream(nullcontext):
+    """A resident engine's prefill stream: the emulation's prefill runs on the host, done when it returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+
 class EmuBatchGpu:
     """The batch build of `layout_options` + batch=B and its B = 1 build, on shared weights and KV."""
 
@@ -80,7 +87,7 @@ class EmuBatchGpu:
         self.host_tokens, self.host_ctrl, self.host_kctl = z(b * ctx), z(b * L.CTRL_WORDS), z(L.KCTL_WORDS)
         self.admit_x = z(b * self.layout.hp, np.float32)
         self.admissions = Admissions(self.host_kctl)
-        self.stream, self.prefill_stream = _Stream(), nullcontext()
+        self.stream, self.prefill_stream = _Stream(), _HostStream()
         self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),
                                                        memory=SimpleNamespace(OutOfMemoryError=MemoryError)))
         self._exit: tuple[int, int] | None = None

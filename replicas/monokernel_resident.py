@@ -71,15 +71,16 @@ class Joiner:
         self.job = None  # (slot, Future) of the join under way
         self.x: dict[int, object] = {}  # slot -> hidden state of a join not yet acknowledged
 
-    def start(self, b: int, ids, spec) -> None:
-        """Prefill `ids` into slot b (free, and outside the running launch's live slots) and publish it."""
+    def start(self, b: int, ids, spec, start: int = 0) -> None:
+        """Prefill `ids[start:]` into slot b (free, and outside the running launch's live slots; rows
+        [0, start) restored on the prefill stream before) and publish it."""
         if self.job is not None or not self.gpu.admissions.consumed:
             raise RuntimeError("one join at a time: the last one is still under way")
 
         def run():
             gpu = self.gpu
             with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
-                x_last, _ = self.prefills[b].run(ids)
+                x_last, _ = self.prefills[b].run(ids, start=start)
             gpu.prepare_join(b, spec, x_last)
             self.x[b] = x_last
             gpu.admissions.publish(1 << b)
@@ -126,10 +127,10 @@ class ResidentJoins:
 
     def _join_resident(self, width: int) -> bool:
         """While a resident batch launch of `width` slots runs: carry the join under way forward, or start
-        the next pending request's in a free slot of the launch. A request of an agent session takes the
-        yield path (its KV is restored, and earlier turns' KV stored, while no launch runs), and so does
-        a join with no free slot; a slot whose session KV is still to be copied is not free. True while a
-        join is under way, so the launch is not asked to yield for it."""
+        the next pending request's in a free slot of the launch (an agent session's stored rows are copied
+        into it first, on the prefill stream; ended sessions' rows are copied out as their slots end, in
+        `_drain`). A join with no free slot takes the yield path. True while a join is under way, so the
+        launch is not asked to yield for it."""
         j = self._joiner
         j.acknowledged()
         done = j.poll()
@@ -137,10 +138,10 @@ class ResidentJoins:
             self._fail_join(*done)
         if j.busy:
             return True
-        kept = {k.slot for k in self._sessions.pending}  # ended session slots whose KV is copied at launch end
+        kept = {k.slot for k in self._sessions.pending}  # (stored by _drain before their ends are sent)
         with self._cv:
             free = [b for b in range(width) if self._slots[b] is None and b not in kept]
-            if self._closed or not self._pending or not free or self._pending[0].session_id:
+            if self._closed or not self._pending or not free:
                 return False
             r = self._pending.popleft()
             if r.cancel.is_set():
@@ -152,7 +153,8 @@ class ResidentJoins:
         r.admitted = time.perf_counter()
         self.join_latencies.append(r.admitted - r.submitted)
         r.spec = self._slot_spec(r)
-        j.start(b, r.ids, r.spec)
+        r.reused = start = self._sessions.restore(r, b, stream=self.gpu.prefill_stream)
+        j.start(b, r.ids, r.spec, start=start)
         self.resident_joins += 1
         return True
 
@@ -168,6 +170,7 @@ class ResidentJoins:
 
     def _fail_join(self, b: int, err: BaseException) -> None:
         r = self._slots[b]
+        self._sessions.fail(r)  # its rows are unknown: the session's entry goes
         with self._cv:  # the slot first: a retry must find it free
             self._slots[b] = None
             self._cv.notify_all()

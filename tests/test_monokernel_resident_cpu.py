@@ -7,8 +7,8 @@ fused-down packing): a slot that joins while others decode, at launch step 0 of 
 after every slot has finished (the weight stream restarted) gets exactly the tokens the B = 1 kernel
 gives it alone; a publication the launch ends before taking is never acknowledged; an idle launch
 ends after its idle time. (3) The batched engine's scheduler on that kernel: joins without a
-relaunch, exact greedy tokens, seeded sampling as alone, cancel; a session's turns take the yield
-path, and a slot whose session KV is not yet stored is not given to a joiner. Tiny model, greedy unless said; the emulation is exact, so equality.
+relaunch, exact greedy tokens, seeded sampling as alone, cancel, a failed join's prefill; an agent
+session's turns join too, their KV copied out as a slot ends and back in at the next turn's join. Tiny model, greedy unless said; the emulation is exact, so equality.
 """
 
 from __future__ import annotations
@@ -217,29 +217,32 @@ def test_a_joined_request_samples_as_alone_and_cancels_within_a_step(tiny, resid
 
 
 @emu_only
-def test_session_turns_take_the_yield_path_and_their_kept_slot_waits_for_its_copy(tiny, resident_gpu, engine):
+def test_session_turns_join_the_running_launch_with_their_kv_restored(tiny, resident_gpu, engine):
+    """A session's turn 1 ends while the launch runs: its rows are copied out at once (before its end is
+    sent); turn 2 joins the same launch with them copied back in and only its suffix prefilled; a plain
+    request that takes turn 1's freed slot meanwhile does not disturb the stored rows."""
     cfg, _, one = tiny
     gpu, eng = resident_gpu, engine
     rng = np.random.default_rng(44)
     prompt = rng.integers(0, cfg.vocab_size, 12).tolist()
-    a = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 0
-    b = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 1
-    next(a), next(b)
-    g1 = eng.generate(prompt, greedy(6), session_id="res")  # slot 2, through a yield
-    out1 = [next(g1)]
-    filler = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(80))  # slot 3, joins
-    next(filler)
-    out1 += list(g1)  # slot 2 ends; its KV is copied when this launch ends
-    launches = gpu.launches
-    plain = list(eng.generate(prompt, greedy(3)))  # the only free slot is 2: it must wait for the copy
-    assert gpu.launches > launches
+    a = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(90))  # slot 0
+    b = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(90))  # slot 1
+    c = eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(90))  # slot 2: the 4-slot build
+    next(a), next(b), next(c)
+    launches, joins = gpu.launches, eng.resident_joins
+    stored = eng.session_stats()
+    g1 = eng.generate(prompt, greedy(6), session_id="res")  # slot 3, joins
+    out1 = list(g1)
+    assert eng.session_stats().bytes > stored.bytes  # its rows were stored before its end was sent
+    plain = list(eng.generate(prompt, greedy(3)))  # slot 3 again: the stored rows are copies
     turn2 = prompt + out1 + rng.integers(0, cfg.vocab_size, 3).tolist()
     g2 = eng.generate(turn2, greedy(4), session_id="res")
     out2 = list(g2)
-    assert g2.reused_tokens == len(prompt) + len(out1) - 1
+    assert (gpu.launches, eng.resident_joins) == (launches, joins + 3)  # no relaunch for any of them
+    assert g1.reused_tokens == 0 and g2.reused_tokens == len(prompt) + len(out1) - 1
     assert out1 == one.generate_greedy(prompt, 6) and plain == one.generate_greedy(prompt, 3)
-    assert out2 == one.generate_greedy(turn2, 4)  # the stored rows were turn 1's, not the plain request's
-    for g in (a, b, filler):
+    assert out2 == one.generate_greedy(turn2, 4)
+    for g in (a, b, c):
         g.cancel()
         list(g)
 
