@@ -81,3 +81,29 @@ def test_requests_join_the_running_launch_and_get_the_single_engines_tokens(engi
     for p, n, o in zip(ps, lens, outs + outs_late):
         assert o == list(one.generate(p, greedy(n)))
     print(f"three joins into a running launch and their {sum(lens[3:])} tokens: {joined_s * 1e3:.1f} ms")
+
+
+def test_a_sessions_turns_join_the_running_launch_and_turn_two_equals_a_fresh_request(engines):
+    from tests.test_monokernel_sessions_gpu import assert_same_greedy
+
+    _, one, res = engines
+    rng = np.random.default_rng(63)
+    vocab = one.config.vocab_size
+    running = [res.generate(rng.integers(0, vocab, 20).tolist(), greedy(900)) for _ in range(3)]
+    for g in running:
+        next(g)
+    launches, joins = res.launches, res.resident_joins
+    prompt = rng.integers(0, vocab, 300).tolist()
+    g1 = res.generate(prompt, greedy(16), session_id="agent")
+    out1 = list(g1)
+    turn2 = prompt + out1 + rng.integers(0, vocab, 40).tolist()
+    g2 = res.generate(turn2, greedy(16), session_id="agent")
+    out2 = list(g2)
+    assert (res.launches, res.resident_joins) == (launches, joins + 2)
+    assert g2.reused_tokens == len(prompt) + len(out1) - 1
+    assert out1 == list(one.generate(prompt, greedy(16)))
+    # turn 2's first rows come from the kernel's own K/V, a fresh prefill's from cuBLAS: bf16-level apart
+    assert_same_greedy(one, turn2, out2, list(one.generate(turn2, greedy(16))))
+    for g in running:
+        g.cancel()
+        list(g)
