@@ -131,6 +131,7 @@ class BatchedMonokernelEngine(ResidentJoins):
         self.idle_ns = int(float(idle_s) * 1e9)
         self.resident_joins = 0  # requests admitted into a running launch (no relaunch)
         self._resident_launch = False  # a resident batch launch is running (session KV is then copied at once)
+        self._want_gpu = threading.Event()  # forward_logits waits for an idle resident launch to end
         self._cv = threading.Condition()
         self._pending: deque[_Request] = deque()
         self._slots: list[_Request | None] = [None] * self.max_batch
@@ -223,6 +224,11 @@ class BatchedMonokernelEngine(ResidentJoins):
             raise InvalidRequest(f"{len(seqs)} sequences for {self.max_batch} slots")
         cp, gpu, V = self.gpu.cp, self.gpu, self.config.vocab_size
         with self._cv:
+            if self._running and not self._pending and not any(s is not None for s in self._slots):
+                # an idle resident launch (idle_s > 0) holds the GPU with no request in it: ask for it back
+                self._want_gpu.set()
+                self._cv.wait_for(lambda: not self._running or self._pending or any(self._slots), timeout=30)
+                self._want_gpu.clear()
             if self._running or self._pending or any(s is not None for s in self._slots):
                 raise EngineBusy("forward_logits needs an idle batched engine")
             self._running = True
@@ -231,6 +237,7 @@ class BatchedMonokernelEngine(ResidentJoins):
             p = [max(1, min(prefill_len, len(s))) for s in seqs]
             with cp.cuda.Device(gpu.device), gpu.stream:
                 for b, s in enumerate(seqs):
+                    gpu.slot_ctrl(b)[:] = 0  # not the last request's words (a cancel there would stop this one)
                     x_last, head = self._prefill[b].run(s[:p[b]], all_logits=True)
                     heads.append(cp.asnumpy(head))
                     if len(s) > p[b]:
@@ -284,6 +291,7 @@ class BatchedMonokernelEngine(ResidentJoins):
                     self._decode()
                 with self._cv:
                     self._running = False
+                    self._cv.notify_all()  # (forward_logits may be waiting for the GPU)
             except Exception as e:  # a GPU failure ends every request it touched, with the error
                 with self._cv:  # slots freed before anyone hears of the failure (a retry must find them free)
                     failed = [r for r in self._slots if r is not None] + [r for r in joins if r.spec is None]
@@ -360,6 +368,9 @@ class BatchedMonokernelEngine(ResidentJoins):
             if not running:
                 break
             joining = resident and not yielded and self._join_resident(width)
+            if resident and not yielded and not any(self._slots) and (self._closed or self._want_gpu.is_set()):
+                gpu.request_yield()  # an idle resident launch: the engine closes, or forward_logits wants the GPU
+                yielded = True
             if not yielded and not joining and (self._join_waiting() or (not single and self._lone_left())):
                 gpu.request_yield()  # admit the newcomer, or go to the single build
                 yielded = True

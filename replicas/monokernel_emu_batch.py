@@ -89,7 +89,8 @@ class EmuBatchGpu:
         self.admissions = Admissions(self.host_kctl)
         self.stream, self.prefill_stream = _Stream(), _HostStream()
         self.cp = SimpleNamespace(cuda=SimpleNamespace(Device=lambda d: nullcontext(),
-                                                       memory=SimpleNamespace(OutOfMemoryError=MemoryError)))
+                                                       memory=SimpleNamespace(OutOfMemoryError=MemoryError)),
+                                  zeros=np.zeros, float32=np.float32, asnumpy=np.asarray)  # (forward_logits_slots)
         self._exit: tuple[int, int] | None = None
         self.launches = 0
 
@@ -133,7 +134,7 @@ class EmuBatchGpu:
 
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, np.ndarray], fx_turn0: int = 0,
                      logits=None, profile=None, idle_ns: int = 0, room: int = 0) -> int:
-        """BatchGpuModel.launch_slots (one build; no teacher forcing)."""
+        """BatchGpuModel.launch_slots (one build)."""
         lay, b_n, hp = self.layout, self.batch, self.layout.hp
         if len(slots) != b_n:
             raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
@@ -145,6 +146,8 @@ class EmuBatchGpu:
                 continue
             table[b] = slot_row(s)
             self._stops(b, s.stop_ids)
+            if s.forced is not None and len(s.forced):
+                self.forced[b * self.max_context:b * self.max_context + len(s.forced)] = list(s.forced)
             if b in fresh:
                 x[:, b] = 0
                 x[0, b, :self.config.hidden_size] = fresh[b]
@@ -154,7 +157,9 @@ class EmuBatchGpu:
         for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
             a[:] = 0
         self.admissions.reset()
-        ptrs, scalars = slots_ptrs(self, self.work), batch_scalars(False, 0, fx_turn0, idle_ns)  # BatchGpuModel's
+        teacher = logits is not None  # [steps, B, V]: every slot forced (BatchedMonokernelEngine.forward_logits_slots)
+        ptrs = slots_ptrs(self, self.work, logits)  # BatchGpuModel's
+        scalars = batch_scalars(teacher, b_n * self.config.vocab_size if teacher else 0, fx_turn0, idle_ns)
         self._start(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars))
         return pick_build(self.builds, slots, room=room)
 

@@ -284,3 +284,35 @@ def test_a_join_whose_prefill_fails_ends_that_request_alone(tiny, resident_gpu, 
     assert eng.resident_joins == joins + 2
     for p, h, g in zip(ps, heads, running):  # the running requests never noticed
         assert h + list(g) == one.generate_greedy(p, 60)
+
+
+@emu_only
+def test_an_idle_resident_launch_hands_the_gpu_back_to_forward_logits_and_close(tiny):
+    """idle_s > 0 keeps an empty launch waiting for joins; forward_logits (which needs the GPU) and close()
+    must not wait out that idle time."""
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_emu_batch import EmuBatchGpu
+    from replicas.monokernel_prefill import Prefill
+
+    cfg, tensors, one = tiny
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True)
+    eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np), idle_s=600.0)
+    rng = np.random.default_rng(47)
+    ps = [rng.integers(0, cfg.vocab_size, 7).tolist() for _ in range(3)]
+    a = eng.generate(ps[0], greedy(40))
+    next(a)
+    b = eng.generate(ps[1], greedy(3))  # a batch launch of both (a yield of the single one)
+    assert list(b) == one.generate_greedy(ps[1], 3)
+    a.cancel()
+    list(a)
+    _wait(lambda: eng._running and not any(eng._slots) and not gpu.stream.done)  # empty, waiting for joins
+    t0 = time.monotonic()
+    seq = rng.integers(0, cfg.vocab_size, 20).tolist()
+    got = eng.forward_logits(seq)
+    assert time.monotonic() - t0 < 60 and got.shape == (20, cfg.vocab_size)
+    assert np.abs(got - one.forward_logits(seq)).max() <= 1e-4 * np.abs(got).max()  # (a batch launch, 1 slot)
+    c = eng.generate(ps[2], greedy(4))
+    assert list(c) == one.generate_greedy(ps[2], 4)
+    t0 = time.monotonic()
+    eng.close()
+    assert time.monotonic() - t0 < 30 and gpu.stream.done
