@@ -39,11 +39,12 @@ from pathlib import Path
 import numpy as np
 
 from replicas import layout as L
-from replicas.engine import EngineBusy, FinishReason, Generation, InvalidRequest, SamplingParams, validate_teacher_ids
+from replicas.engine import EngineBusy, FinishReason, Generation, SamplingParams
 from replicas.model import ModelConfig
 from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
 from replicas.monokernel_batched_sessions import SlotSessions
+from replicas.monokernel_batched_teacher import teacher_forced_slots
 from replicas.monokernel_resident import Joiner, ResidentJoins
 from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionLease, SessionStats
 
@@ -218,48 +219,8 @@ class BatchedMonokernelEngine(ResidentJoins):
                              ) -> list[np.ndarray]:
         """Teacher-forced logits of up to B sequences decoded together (slot i = sequences[i]): each
         [len, V] float32, the first `prefill_len` positions from the prefill, the rest from one batch
-        launch. Needs an idle engine (raises EngineBusy otherwise)."""
-        seqs = [validate_teacher_ids(s, self.config, self.max_context) for s in sequences]
-        if not 1 <= len(seqs) <= self.max_batch:
-            raise InvalidRequest(f"{len(seqs)} sequences for {self.max_batch} slots")
-        cp, gpu, V = self.gpu.cp, self.gpu, self.config.vocab_size
-        with self._cv:
-            if self._running and not self._pending and not any(s is not None for s in self._slots):
-                # an idle resident launch (idle_s > 0) holds the GPU with no request in it: ask for it back
-                self._want_gpu.set()
-                self._cv.wait_for(lambda: not self._running or self._pending or any(self._slots), timeout=30)
-                self._want_gpu.clear()
-            if self._running or self._pending or any(s is not None for s in self._slots):
-                raise EngineBusy("forward_logits needs an idle batched engine")
-            self._running = True
-        try:
-            heads, specs, fresh = [], [None] * self.max_batch, {}
-            p = [max(1, min(prefill_len, len(s))) for s in seqs]
-            with cp.cuda.Device(gpu.device), gpu.stream:
-                for b, s in enumerate(seqs):
-                    gpu.slot_ctrl(b)[:] = 0  # not the last request's words (a cancel there would stop this one)
-                    x_last, head = self._prefill[b].run(s[:p[b]], all_logits=True)
-                    heads.append(cp.asnumpy(head))
-                    if len(s) > p[b]:
-                        specs[b] = SlotSpec(start_pos=p[b], max_steps=len(s) - p[b] + 1, forced=s[p[b]:])
-                        fresh[b] = x_last
-                steps = max((len(s) - pb + 1 for s, pb in zip(seqs, p)), default=0)
-                if fresh:
-                    out = cp.zeros((steps, self.max_batch, V), cp.float32)
-                    gpu.launch_slots(specs, fresh=fresh, logits=out)
-                    gpu.synchronize()
-                    out = cp.asnumpy(out)
-            rows = []
-            for b, s in enumerate(seqs):
-                parts = [heads[b]]
-                if len(s) > p[b]:
-                    parts.append(out[1:len(s) - p[b] + 1, b])
-                rows.append(np.concatenate(parts).astype(np.float32, copy=False))
-            return rows
-        finally:
-            with self._cv:
-                self._running = False
-                self._cv.notify_all()
+        launch. Needs an idle engine (raises EngineBusy otherwise; replicas/monokernel_batched_teacher.py)."""
+        return teacher_forced_slots(self, sequences, prefill_len)
 
     def session_stats(self) -> SessionStats:
         """Session KV reuse counters and what is resident now."""
