@@ -315,10 +315,9 @@ class BatchedMonokernelEngine(ResidentJoins):
             gpu.launch_single(occupied[0], self._slots[occupied[0]].spec, self._x[occupied[0]], profile=self.profile)
             self.single_launches += 1
         else:
-            extra = {"idle_ns": self.idle_ns} if self._joiner is not None else {}  # (resident launches only)
             width = gpu.launch_slots([r.spec if r is not None else None for r in self._slots],
                                      fresh={b: self._x[b] for b in occupied}, profile=self.profile,
-                                     **extra) or self.max_batch
+                                     idle_ns=self.idle_ns)
         resident = self._joiner is not None and not single
         self._resident_launch = resident
         self.launches += 1
@@ -329,11 +328,11 @@ class BatchedMonokernelEngine(ResidentJoins):
             if not running:
                 break
             joining = resident and not yielded and self._join_resident(width)
-            if resident and not yielded and not any(self._slots) and (self._closed or self._want_gpu.is_set()):
-                gpu.request_yield()  # an idle resident launch: the engine closes, or forward_logits wants the GPU
-                yielded = True
-            if not yielded and not joining and (self._join_waiting() or (not single and self._lone_left())):
-                gpu.request_yield()  # admit the newcomer, or go to the single build
+            # an idle resident launch hands the GPU back when the engine closes or forward_logits wants it
+            hand_back = resident and not any(self._slots) and (self._closed or self._want_gpu.is_set())
+            if not yielded and (hand_back or (not joining and (self._join_waiting()
+                                                               or (not single and self._lone_left())))):
+                gpu.request_yield()  # admit the newcomer, go to the single build, or hand the GPU back
                 yielded = True
             time.sleep(POLL_SECONDS)
         gpu.synchronize()

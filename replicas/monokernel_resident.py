@@ -104,9 +104,7 @@ class Joiner:
         (the next launch starts them as fresh slots). Waits for a join still under way."""
         if self.job is not None:
             self.job[1].exception()  # wait; its error is reported by poll()
-        joined = self.gpu.admissions.settle()
-        for b in [b for b in self.x if (joined >> b) & 1]:
-            del self.x[b]
+        self.acknowledged()
         left, self.x = self.x, {}
         return left
 

@@ -239,13 +239,14 @@ class FakeBatchGpu:
     def request_yield(self):
         self.host_kctl[L.KCTL_YIELD] = 1
 
-    def launch_slots(self, slots, *, fresh, fx_turn0=0, logits=None, profile=None):
+    def launch_slots(self, slots, *, fresh, fx_turn0=0, logits=None, profile=None, idle_ns=0):
         if len(slots) != self.batch:
             raise ValueError(f"{len(slots)} slot specs for a batch of {self.batch}")
         live = {b: s for b, s in enumerate(slots) if s is not None}
         if any(b not in fresh for b in live) and fx_turn0 != self._exit[0]:
             self.errors.append(f"fx_turn0={fx_turn0}, the last launch left {self._exit[0]}")
         self._launch(live, fresh, fx_turn0)
+        return self.batch  # (one build: every launch holds all slots)
 
     def launch_single(self, b, s, x_last, profile=None):
         self._launch({b: s}, {b: x_last}, 0)

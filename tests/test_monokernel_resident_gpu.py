@@ -18,11 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-TOL, SAME, BATCH = 2e-2, 1e-4, 4
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+from tests.test_monokernel_batch_gpu import BATCH, SAME, TOL, rel  # the batch tests' oracle tolerances
 
 
 @pytest.fixture(scope="module", params=["tiny", "llama-3.2-1b"])
