@@ -45,7 +45,7 @@ from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_re
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
 from replicas.monokernel_batched_sessions import SlotSessions
 from replicas.monokernel_batched_teacher import teacher_forced_slots
-from replicas.monokernel_resident import Joiner, ResidentJoins
+from replicas.monokernel_resident import Joiner, ResidentJoins, prefer_eager_module_loading
 from replicas.session_cache import DEFAULT_MAX_BYTES, DEFAULT_MAX_SESSIONS, SessionCache, SessionLease, SessionStats
 
 
@@ -103,12 +103,16 @@ class BatchedMonokernelEngine(ResidentJoins):
         devices = list(devices)
         if len(devices) != 1:
             raise ValueError(f"devices={devices}: the batched monokernel runs on one GPU")
+        if resident:
+            prefer_eager_module_loading()
         gpu = BatchGpuModel(config, tensors, batch, device=devices[0], max_context=max_context,
                             progress=progress, layout_options=layout_options, sub_builds=sub_builds,
                             resident=resident)
         from replicas.monokernel_prefill import Prefill
 
         self._start(config, gpu, devices, Prefill, sessions, idle_s)
+        if self._joiner is not None:
+            self._joiner.warm(self.max_batch - 1, self.max_context, config.vocab_size)
 
     @classmethod
     def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,), *,
@@ -158,6 +162,8 @@ class BatchedMonokernelEngine(ResidentJoins):
         from replicas.weights import load_weights
 
         SessionCache(session_cache_bytes, max_sessions)  # bad bounds fail before reading gigabytes
+        if resident:
+            prefer_eager_module_loading()  # before import_cupy's first CUDA call
         config = ModelConfig.from_pretrained(path)
         import_cupy()
         tensors = load_weights(path, config, dtype="raw", progress=progress)

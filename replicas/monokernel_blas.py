@@ -56,6 +56,17 @@ def _cublas():
     return cublas
 
 
+_SHARED: dict = {}
+
+
+def _softmax(cp):
+    """One kernel object per process: it loads its module once per device, before a resident launch
+    (monokernel_prefill._kernels says why that matters)."""
+    if "softmax" not in _SHARED:
+        _SHARED["softmax"] = cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
+    return _SHARED["softmax"]
+
+
 class Blas:
     """bf16 GEMMs on the current CuPy stream."""
 
@@ -65,7 +76,7 @@ class Blas:
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
         self._alpha = np.ones(1, np.float32)
-        self.softmax = cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
+        self.softmax = _softmax(cp)
 
     def _handle(self):
         h = self.cp.cuda.device.get_cublas_handle()

@@ -11,12 +11,39 @@ what it did not acknowledge, so the scheduler then starts those slots in its nex
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import time
 
 from replicas import layout as L
 from replicas.engine import FinishReason
 
+log = logging.getLogger(__name__)
+
 PREFILL_SMS = 16  # SMs a resident build leaves free for a joining request's prefill (cuBLAS, our kernels)
+# Prompt lengths the join worker prefills once before the first launch, so that the kernels (and, with lazy
+# module loading, the cuBLAS GEMMs picked for these sizes) are loaded before any launch runs.
+WARM_LENGTHS = (1, 8, 32, 128, 512, 2048)
+
+
+def prefer_eager_module_loading() -> None:
+    """Ask CUDA to load every kernel at start (CUDA_MODULE_LOADING=EAGER) unless the operator chose: with
+    lazy loading (CUDA 12's default) a kernel's first launch can wait for the running kernels to finish,
+    and the resident launch runs until its slots end, so a join whose prefill meets a new cuBLAS GEMM would
+    wait for the whole batch. Takes effect only before this process first uses CUDA."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+
+def module_loading_mode() -> str | None:
+    """This process's CUDA module loading ("lazy" / "eager", from the driver), None where unknown."""
+    try:
+        mode = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuModuleGetLoadingMode(ctypes.byref(mode)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return {1: "lazy", 2: "eager"}.get(mode.value)
 
 
 class Admissions:
@@ -86,6 +113,26 @@ class Joiner:
             gpu.admissions.publish(1 << b)
 
         self.job = (b, self._pool.submit(run))
+
+    def warm(self, slot: int, max_context: int, vocab_size: int) -> None:
+        """Before the first launch: prefill a few lengths into `slot` (free) in the worker thread, on the
+        prefill stream, so the joins' kernels, that thread's cuBLAS handle and the prefill stream's memory
+        pool blocks exist before a launch runs (made during one, they could wait for it to end). Warns
+        when lazy module loading leaves GEMMs for other lengths to load during a join."""
+        def run():
+            gpu = self.gpu
+            with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
+                for n in WARM_LENGTHS:
+                    if n < max_context:
+                        self.prefills[slot].run([i % vocab_size for i in range(n)])
+                gpu.prefill_stream.synchronize()
+
+        self._pool.submit(run).result()
+        if module_loading_mode() == "lazy":
+            log.warning("CUDA lazy module loading is on in this process: a join whose prefill needs a cuBLAS "
+                        "kernel not loaded yet waits for the running launch to end. Set "
+                        "CUDA_MODULE_LOADING=EAGER before the process first uses CUDA (`monoserve replica "
+                        "--resident` and the resident engine's from_pretrained do when nothing used CUDA yet).")
 
     def poll(self) -> tuple[int, BaseException | None] | None:
         """(slot, error or None) once the join under way has been published (or failed), else None."""

@@ -1,0 +1,74 @@
+"""Where a resident join's prefill time goes (llama-3.2-1b shape, random weights, B = 4 resident engine).
+
+    python bench/resident_probe.py [--no-warm] [--lengths 40 300 77 1500] [--out DIR]
+
+Three requests decode in the running launch; then requests of the given prompt lengths join one after
+another (slot 3 each time). For each join: its prefill's time, its TTFT, and whether it entered the running
+launch (resident_joins +1) or needed a relaunch. Also this process's CUDA module loading mode (run with
+CUDA_MODULE_LOADING=EAGER for the eager arm) and the engine's build time. --no-warm skips the join
+worker's warm-up (Joiner.warm) to show what it buys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-warm", action="store_true")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[40, 300, 77, 1500])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import cupy as cp
+
+    from bench.batch import _time_prefills
+    from bench.decode import random_tensors
+    from replicas import monokernel_resident
+    from replicas.checkpoint import preset_config
+    from replicas.engine import SamplingParams
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+
+    if args.no_warm:
+        monokernel_resident.Joiner.warm = lambda *a, **k: None
+    config = preset_config("llama-3.2-1b")
+    t0 = time.perf_counter()
+    eng = BatchedMonokernelEngine(config, random_tensors(cp, config), batch=4, max_context=4096, resident=True)
+    build_s = time.perf_counter() - t0
+    prefills = _time_prefills(eng)
+    rng = __import__("numpy").random.default_rng(5)
+    prompt = lambda n: rng.integers(0, config.vocab_size, n).tolist()  # noqa: E731
+    running = [eng.generate(prompt(32), SamplingParams(max_tokens=3500, ignore_eos=True)) for _ in range(3)]
+    for g in running:
+        next(g)
+    rows = []
+    for n in args.lengths:
+        joins, launches = eng.resident_joins, eng.launches
+        t = time.perf_counter()
+        gen = eng.generate(prompt(n), SamplingParams(max_tokens=4, ignore_eos=True))
+        next(gen)
+        ttft = time.perf_counter() - t
+        list(gen)
+        pre = [d for s, d in prefills if s >= t]
+        rows.append({"prompt": n, "ttft_ms": round(ttft * 1e3, 2), "prefill_ms": round(sum(pre) * 1e3, 2),
+                     "joined": eng.resident_joins - joins, "relaunches": eng.launches - launches})
+        print(json.dumps(rows[-1]), flush=True)
+    for g in running:
+        g.cancel()
+    eng.close()
+    out = {"module_loading": monokernel_resident.module_loading_mode(), "warm": not args.no_warm,
+           "build_s": round(build_s, 1), "joins": rows}
+    print(json.dumps(out))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
