@@ -210,6 +210,8 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
             row["join"] = join_cost(eng, ps[-1], running, 4 * n_new)
             row["join"]["resident_joins"] = getattr(eng, "resident_joins", 0) - joins0
             row["join"]["relaunches"] = eng.launches - launches0
+            joiner = getattr(eng, "_joiner", None)
+            row["join"]["join_mode"] = joiner.mode if joiner is not None else None
             print(json.dumps({"preset": preset, "batch": b, "join": row["join"]}), flush=True)
         row["launches"] = eng.launches
         row["resident"] = resident
@@ -280,7 +282,8 @@ def main() -> None:
                              f"+{j['join_overhead_beyond_prefill_ms']}), "
                              f"running slots' worst token gap {j['running_worst_gap_ms']} ms"
                              + (f"; resident: {j['resident_joins']} joins into the running launch, "
-                                f"{j['relaunches']} relaunches" if row.get("resident") else ""))
+                                f"{j['relaunches']} relaunches, join GEMMs {j.get('join_mode')}"
+                                if row.get("resident") else ""))
     md = "\n".join(lines)
     print(md)
     if args.out:

@@ -14,10 +14,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _dump_stacks(done, out: list) -> None:
+    """After 300 ms (unless the join is done): every thread's stack, innermost frames last."""
+    if done.wait(0.3):
+        return
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        if ident != threading.get_ident():
+            out.append(f"--- {names.get(ident, ident)}\n" + "".join(traceback.format_stack(frame)[-8:]))
 
 
 def main() -> None:
@@ -26,7 +38,11 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[40, 300, 77, 1500])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    import logging
+
     import cupy as cp
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     from bench.batch import _time_prefills
     from bench.decode import random_tensors
@@ -48,11 +64,16 @@ def main() -> None:
     for g in running:
         next(g)
     rows = []
+    stacks: list[str] = []
     for n in args.lengths:
         joins, launches = eng.resident_joins, eng.launches
         t = time.perf_counter()
         gen = eng.generate(prompt(n), SamplingParams(max_tokens=4, ignore_eos=True))
+        done = threading.Event()
+        if not stacks:  # where the threads are 300 ms into the first join (a join's prefill takes ~10-30 ms)
+            threading.Thread(target=_dump_stacks, args=(done, stacks), daemon=True).start()
         next(gen)
+        done.set()
         ttft = time.perf_counter() - t
         list(gen)
         pre = [d for s, d in prefills if s >= t]
@@ -61,10 +82,13 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     for g in running:
         g.cancel()
+    mode = eng._joiner.mode if eng._joiner is not None else None
     eng.close()
     out = {"module_loading": monokernel_resident.module_loading_mode(), "warm": not args.no_warm,
-           "build_s": round(build_s, 1), "joins": rows}
-    print(json.dumps(out))
+           "join_mode": mode,
+           "build_s": round(build_s, 1), "joins": rows, "stacks_at_300ms": stacks}
+    print(json.dumps({k: v for k, v in out.items() if k != "stacks_at_300ms"}))
+    print("\n".join(stacks))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "probe.json").write_text(json.dumps(out, indent=1))

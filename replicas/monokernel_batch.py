@@ -142,7 +142,7 @@ class BatchGpuModel(GpuModel):
         layout_options = {**tuned, **(layout_options or {})}
         self.resident = bool(resident)
         cp = import_cupy()
-        device_sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
+        self.device_sms = device_sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
         if self.resident:
             layout_options["resident"] = True
             if "num_sms" not in layout_options:

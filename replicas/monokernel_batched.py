@@ -111,8 +111,10 @@ class BatchedMonokernelEngine(ResidentJoins):
         from replicas.monokernel_prefill import Prefill
 
         self._start(config, gpu, devices, Prefill, sessions, idle_s)
-        if self._joiner is not None:
-            self._joiner.warm(self.max_batch - 1, self.max_context, config.vocab_size)
+        if self._joiner is not None and self._joiner.warm(self.max_batch - 1, self.max_context,
+                                                          config.vocab_size) is None:
+            self._joiner.close()
+            self._joiner = None  # nothing of a join's prefill runs beside a launch here: requests relaunch
 
     @classmethod
     def around(cls, config: ModelConfig, gpu, prefill, devices: Sequence[int] = (0,), *,

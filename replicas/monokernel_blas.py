@@ -7,11 +7,15 @@ outputs. Row-major Y[T, N] = X[T, K] @ W[N, K]^T is the column-major product W^T
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import numpy as np
 
 OP_N, OP_T = 0, 1
 R_32F, R_16BF = 0, 14
 COMPUTE_32F = 68
+COMPUTE_32F_PEDANTIC = 69  # fp32 mode: never tensor cores (CUPY_TF32=1 would let COMPUTE_32F use TF32)
 GEMM_DEFAULT = -1
 
 _SOFTMAX = r"""
@@ -57,6 +61,35 @@ def _cublas():
 
 
 _SHARED: dict = {}
+# Per thread: run the GEMMs on fp32 copies of the bf16 operands (cuBLAS's SIMT kernels). A resident launch's
+# joins need it where cuBLAS's tensor-core kernels would wait for the running kernel: measured on the H200
+# with 116 of 132 SMs held (bench/gemm_concurrency_probe.py), bf16 and TF32 GEMMs of some prefill shapes
+# waited for the holding kernel to end, fp32 SIMT ones never did. Same bf16 inputs, other summation order.
+_MODE = threading.local()
+
+
+def use_fp32_gemms(on: bool) -> None:
+    """This thread's Blas GEMMs on fp32 operands (True) or bf16 tensor cores (False, the default)."""
+    _MODE.fp32 = bool(on)
+
+
+def _compute() -> int:
+    return COMPUTE_32F_PEDANTIC if getattr(_MODE, "fp32", False) else COMPUTE_32F
+
+
+def set_sm_count_target(cp, sms: int) -> bool:
+    """cublasSetSmCountTarget(sms) on this thread's CuPy cuBLAS handle (cuBLAS then plans its GEMMs for
+    `sms` SMs: the ones a resident launch leaves free). CuPy has no binding, so ctypes on the libcublas
+    this process loaded; False where it is not found."""
+    h = cp.cuda.device.get_cublas_handle()
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {ln.split()[-1] for ln in maps if "libcublas.so" in ln and "libcublasLt" not in ln}
+        for path in sorted(paths):
+            return ctypes.CDLL(path).cublasSetSmCountTarget(ctypes.c_void_p(h), ctypes.c_int(int(sms))) == 0
+    except (OSError, AttributeError):
+        pass
+    return False
 
 
 def _softmax(cp):
@@ -90,10 +123,22 @@ class Blas:
         t, n, ldw = x_bits.shape[0], w.shape[0], w.strides[0] // 2
         assert x_bits.flags.c_contiguous and w.strides[-1] == 2 and x_bits.shape[1] == k
         y = cp.empty((t, n), cp.float32)
-        self.lib.gemmEx(self._handle(), OP_T, OP_N, n, t, k, self._one.ctypes.data, w.data.ptr, R_16BF, ldw,
-                        x_bits.data.ptr, R_16BF, k, self._zero.ctypes.data, y.data.ptr, R_32F, n,
-                        COMPUTE_32F, GEMM_DEFAULT)
+        (wp, wt, ldw), (xp, xt, _) = self._operand(w[:, :k], ldw), self._operand(x_bits, k)
+        self.lib.gemmEx(self._handle(), OP_T, OP_N, n, t, k, self._one.ctypes.data, wp, wt, ldw,
+                        xp, xt, k, self._zero.ctypes.data, y.data.ptr, R_32F, n, _compute(), GEMM_DEFAULT)
+        self._keep = None
         return y
+
+    def _operand(self, bits, ld: int, stride: int = 0):
+        """A GEMM operand from a bf16 view: (pointer, type, leading dim) as it is, or in fp32 mode a
+        contiguous fp32 copy's (its leading dim the view's last extent; kept alive until the call's end)."""
+        if not getattr(_MODE, "fp32", False):
+            return bits.data.ptr, R_16BF, ld
+        from replicas.monokernel_prefill import _kernels
+
+        f = _kernels(self.cp)["widen"](bits)
+        self._keep = (getattr(self, "_keep", None) or ()) + (f,)
+        return f.data.ptr, R_32F, bits.shape[-1]
 
     def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float,
                          q_offset: int = 0):
@@ -107,21 +152,30 @@ class Blas:
         qb = t if kv * g * t * keys * 4 <= 2**30 else max(64, 2**30 // (kv * g * keys * 4))
         self._alpha[0] = scale
         h = self._handle()
+        fp32 = getattr(_MODE, "fp32", False)
+        if fp32:  # contiguous fp32 copies of the keys / values in use: [KV, keys, D]
+            k_heads, v_heads, ctx_stride = k_heads[:, :keys], v_heads[:, :keys], keys
+        kp, kt, _ = self._operand(k_heads, d)
+        vp, vt, _ = self._operand(v_heads, d)
+        qp, qt, _ = self._operand(q_bits, d)
+        esize = 4 if fp32 else 2
         for s in range(0, t, qb):
             e = min(t, s + qb)
             rows, cols = (e - s) * g, q_offset + e  # this block's queries see keys 0..q_offset+e-1
             scores = cp.empty((kv, rows, cols), cp.float32)
             lib.gemmStridedBatchedEx(h, OP_T, OP_N, cols, rows, d, self._alpha.ctypes.data,
-                                     k_heads.data.ptr, R_16BF, d, ctx_stride * d,
-                                     q_bits.data.ptr + s * g * d * 2, R_16BF, d, t * g * d,
+                                     kp, kt, d, ctx_stride * d,
+                                     qp + s * g * d * esize, qt, d, t * g * d,
                                      self._zero.ctypes.data, scores.data.ptr, R_32F, cols, rows * cols,
-                                     kv, COMPUTE_32F, GEMM_DEFAULT)
+                                     kv, _compute(), GEMM_DEFAULT)
             probs = cp.empty((kv, rows, cols), cp.uint16)
             self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
                                                 np.int32(q_offset + s)))
+            pp, pt, _ = self._operand(probs, cols)
             lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, cols, self._one.ctypes.data,
-                                     v_heads.data.ptr, R_16BF, d, ctx_stride * d,
-                                     probs.data.ptr, R_16BF, cols, rows * cols,
+                                     vp, vt, d, ctx_stride * d,
+                                     pp, pt, cols, rows * cols,
                                      self._zero.ctypes.data, out.data.ptr + s * g * d * 4, R_32F, d, t * g * d,
-                                     kv, COMPUTE_32F, GEMM_DEFAULT)
+                                     kv, _compute(), GEMM_DEFAULT)
+        self._keep = None
         return out

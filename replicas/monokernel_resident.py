@@ -25,6 +25,10 @@ PREFILL_SMS = 16  # SMs a resident build leaves free for a joining request's pre
 # Prompt lengths the join worker prefills once before the first launch, so that the kernels (and, with lazy
 # module loading, the cuBLAS GEMMs picked for these sizes) are loaded before any launch runs.
 WARM_LENGTHS = (1, 8, 32, 128, 512, 2048)
+# fp32 GEMM mode (cuBLAS's SIMT kernels on the 16 free SMs, ~8 TFLOP/s at most) needs ~2 GFLOP per token of
+# llama-3.2-1b: ~15-25 ms for 64 tokens (estimate); longer prompts relaunch (their prefill on every SM's
+# tensor cores, ~15 ms gap for the running slots).
+FP32_JOIN_TOKENS = 64
 
 
 def prefer_eager_module_loading() -> None:
@@ -43,7 +47,7 @@ def module_loading_mode() -> str | None:
             return None
     except (OSError, AttributeError):
         return None
-    return {1: "lazy", 2: "eager"}.get(mode.value)
+    return {1: "eager", 2: "lazy"}.get(mode.value)  # CU_MODULE_EAGER_LOADING = 1, CU_MODULE_LAZY_LOADING = 2
 
 
 class Admissions:
@@ -96,6 +100,8 @@ class Joiner:
         self.gpu, self.prefills = gpu, prefills
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mk-join-prefill")
         self.job = None  # (slot, Future) of the join under way
+        self.mode: str | None = "tensor"  # the joins' GEMMs (warm() checks what runs beside a launch)
+        self.max_join_tokens: int | None = None  # longest prompt that joins (None: any)
         self.x: dict[int, object] = {}  # slot -> hidden state of a join not yet acknowledged
 
     def start(self, b: int, ids, spec, start: int = 0) -> None:
@@ -114,25 +120,55 @@ class Joiner:
 
         self.job = (b, self._pool.submit(run))
 
-    def warm(self, slot: int, max_context: int, vocab_size: int) -> None:
-        """Before the first launch: prefill a few lengths into `slot` (free) in the worker thread, on the
-        prefill stream, so the joins' kernels, that thread's cuBLAS handle and the prefill stream's memory
-        pool blocks exist before a launch runs (made during one, they could wait for it to end). Warns
-        when lazy module loading leaves GEMMs for other lengths to load during a join."""
-        def run():
-            gpu = self.gpu
-            with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
-                for n in WARM_LENGTHS:
-                    if n < max_context:
-                        self.prefills[slot].run([i % vocab_size for i in range(n)])
-                gpu.prefill_stream.synchronize()
+    def warm(self, slot: int, max_context: int, vocab_size: int) -> str | None:
+        """Before the first launch, in the worker thread on the prefill stream: load the joins' kernels
+        (prefills of WARM_LENGTHS into `slot`, free now; also that thread's cuBLAS handle, told to plan for
+        the SMs a launch leaves free), then check that those prefills run beside a kernel holding the
+        launch's SMs (replicas/concurrency_check.py). Sets and returns the joins' GEMM mode: "tensor"
+        (bf16 tensor cores), "fp32" (cuBLAS's SIMT kernels on fp32 copies, where tensor-core GEMMs waited;
+        joins then take prompts of up to FP32_JOIN_TOKENS, longer ones relaunch) or None (neither ran
+        beside it: no joins, every request relaunches)."""
+        from replicas.concurrency_check import runs_beside
+        from replicas.monokernel_blas import set_sm_count_target, use_fp32_gemms
 
-        self._pool.submit(run).result()
+        gpu = self.gpu
+        lengths = [n for n in WARM_LENGTHS if n < max_context]
+
+        def prefill_all():
+            for n in lengths:
+                self.prefills[slot].run([i % vocab_size for i in range(n)])
+            gpu.prefill_stream.synchronize()
+
+        def run():
+            with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
+                targeted = set_sm_count_target(gpu.cp, gpu.device_sms - gpu.layout.num_sms)
+                tried = []
+                for mode in ("tensor", "fp32"):
+                    use_fp32_gemms(mode == "fp32")
+                    prefill_all()  # loads this mode's kernels
+                    beside, secs = runs_beside(gpu.cp, gpu.layout.num_sms, gpu.stream, prefill_all)
+                    tried.append(f"{mode}: {secs * 1e3:.1f} ms, {'beside' if beside else 'waited'}")
+                    if beside:
+                        return mode, targeted, tried
+                use_fp32_gemms(False)
+                return None, targeted, tried
+
+        self.mode, targeted, tried = self._pool.submit(run).result()
+        self.max_join_tokens = FP32_JOIN_TOKENS if self.mode == "fp32" else None
+        msg = (f"resident joins: GEMM mode {self.mode} (prefills of {lengths} tokens beside a kernel on "
+               f"{gpu.layout.num_sms} SMs: {'; '.join(tried)}; cuBLAS SM target set: {targeted})")
+        (log.info if self.mode == "tensor" else log.warning)(msg if self.mode else
+                                                             msg + "; joins are off, requests relaunch")
         if module_loading_mode() == "lazy":
-            log.warning("CUDA lazy module loading is on in this process: a join whose prefill needs a cuBLAS "
-                        "kernel not loaded yet waits for the running launch to end. Set "
-                        "CUDA_MODULE_LOADING=EAGER before the process first uses CUDA (`monoserve replica "
-                        "--resident` and the resident engine's from_pretrained do when nothing used CUDA yet).")
+            log.warning("CUDA lazy module loading is on in this process: a join whose prefill needs a kernel "
+                        "not loaded yet waits for the running launch to end. Set CUDA_MODULE_LOADING=EAGER "
+                        "before the process first uses CUDA (`monoserve replica --resident` and the resident "
+                        "engine's from_pretrained do when nothing used CUDA yet).")
+        return self.mode
+
+    def takes(self, n_tokens: int) -> bool:
+        """Whether a prompt of n_tokens may join (fp32 mode: short ones; longer prefill faster relaunched)."""
+        return self.max_join_tokens is None or n_tokens <= self.max_join_tokens
 
     def poll(self) -> tuple[int, BaseException | None] | None:
         """(slot, error or None) once the join under way has been published (or failed), else None."""
@@ -186,7 +222,7 @@ class ResidentJoins:
         kept = {k.slot for k in self._sessions.pending}  # (stored by _drain before their ends are sent)
         with self._cv:
             free = [b for b in range(width) if self._slots[b] is None and b not in kept]
-            if self._closed or not self._pending or not free:
+            if self._closed or not self._pending or not free or not j.takes(len(self._pending[0].ids)):
                 return False
             r = self._pending.popleft()
             if r.cancel.is_set():
