@@ -222,7 +222,7 @@ class ResidentJoins:
         kept = {k.slot for k in self._sessions.pending}  # (stored by _drain before their ends are sent)
         with self._cv:
             free = [b for b in range(width) if self._slots[b] is None and b not in kept]
-            if self._closed or not self._pending or not free or not j.takes(len(self._pending[0].ids)):
+            if self._closed or not self._pending or not free or not j.takes(self._to_prefill(self._pending[0])):
                 return False
             r = self._pending.popleft()
             if r.cancel.is_set():
@@ -238,6 +238,10 @@ class ResidentJoins:
         j.start(b, r.ids, r.spec, start=start)
         self.resident_joins += 1
         return True
+
+    def _to_prefill(self, r) -> int:
+        """Tokens a join of r would prefill: its prompt less what its session's stored rows hold."""
+        return len(r.ids) - (self.sessions.reusable(r.session_id, r.ids) if r.session_id else 0)
 
     def _end_joins(self) -> dict[int, object]:
         """After a resident launch ended: slots published to it that it never admitted -> their hidden

@@ -110,6 +110,15 @@ class SessionCache:
             self._misses += 1
             return SessionLease(session_id)
 
+    def reusable(self, session_id: str, prompt: Sequence[int], min_new: int = 1) -> int:
+        """How many leading positions `acquire` would reuse now (0 if none), without claiming anything."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.in_use:
+                return 0
+            return max(0, min(_common_prefix(entry.tokens, ids), len(ids) - min_new))
+
     def release(self, lease: SessionLease, kv: Any, tokens: Sequence[int], nbytes: int) -> None:
         """Keep `kv` (holding exactly `tokens`) as the session's entry; then enforce the bounds."""
         with self._lock:
