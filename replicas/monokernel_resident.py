@@ -146,6 +146,9 @@ class Joiner:
                 for mode in ("tensor", "fp32"):
                     use_fp32_gemms(mode == "fp32")
                     prefill_all()  # loads this mode's kernels
+                    if mode == "fp32" and module_loading_mode() == "lazy":
+                        for n in range(1, min(FP32_JOIN_TOKENS, max_context - 1) + 1):  # every GEMM shape a
+                            self.prefills[slot].run([i % vocab_size for i in range(n)])  # fresh join can take
                     beside, secs = runs_beside(gpu.cp, gpu.layout.num_sms, gpu.stream, prefill_all)
                     tried.append(f"{mode}: {secs * 1e3:.1f} ms, {'beside' if beside else 'waited'}")
                     if beside:

@@ -19,6 +19,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 from replicas.monokernel_resident import FP32_JOIN_TOKENS
+
+# The resident batch grid (132 - 16 SMs) splits attention and the fused down's partials differently from the
+# single engine's 132: fp32 sums in another order, measured 1.5e-4 of the max logit on llama-3.2-1b over 180
+# positions (same grid: SAME = 1e-4); still 25x below bf16's step, and transformers is checked at TOL.
+GRID = 3e-4
 from tests.test_monokernel_batch_gpu import BATCH, SAME, TOL, rel  # the batch tests' oracle tolerances
 
 
@@ -32,7 +37,9 @@ def engines(request, tmp_path_factory):
 
     path = make_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=0, dtype="bf16")
     one = MonokernelEngine.from_pretrained(path, max_context=1024)
-    res = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, resident=True)
+    # idle_s: a launch whose slots all ended waits for the next join (tiny decodes 900 tokens in tens of ms,
+    # so "running" requests alone could not keep the launch up for the joins below)
+    res = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=1024, resident=True, idle_s=2.0)
     sms = one.gpu.layout.num_sms
     assert res.gpu.layout.num_sms == sms - PREFILL_SMS and res.gpu.single_layout.num_sms == sms
     yield path, one, res
@@ -53,7 +60,7 @@ def test_teacher_forced_slots_on_the_resident_grid_match_single_and_transformers
     got = res.forward_logits_slots(seqs)
     for s, g in zip(seqs, got):
         assert g.shape == (len(s), one.config.vocab_size) and np.isfinite(g).all()
-        assert rel(g, one.forward_logits(s)) <= SAME
+        assert rel(g, one.forward_logits(s)) <= GRID
     assert rel(got[0], hf_logits(path, seqs[0])) <= TOL
 
 
