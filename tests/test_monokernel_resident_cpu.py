@@ -248,6 +248,41 @@ def test_session_turns_join_the_running_launch_with_their_kv_restored(tiny, resi
 
 
 @emu_only
+def test_a_joiner_limited_to_short_prefills_relaunches_long_prompts_and_counts_a_sessions_suffix(
+        tiny, resident_gpu, engine):
+    """fp32 join mode (Joiner.warm found that tensor-core GEMMs wait for a running launch) takes prompts
+    whose prefill is at most `max_join_tokens`: a longer one relaunches (with exact tokens), a session turn
+    counts only its suffix beyond the stored rows."""
+    cfg, _, one = tiny
+    gpu, eng = resident_gpu, engine
+    rng = np.random.default_rng(45)
+    running = [eng.generate(rng.integers(0, cfg.vocab_size, 8).tolist(), greedy(120)) for _ in range(3)]
+    for g in running:
+        next(g)
+    eng._joiner.max_join_tokens = 10
+    try:
+        short, long_ = rng.integers(0, cfg.vocab_size, 9).tolist(), rng.integers(0, cfg.vocab_size, 14).tolist()
+        launches, joins = gpu.launches, eng.resident_joins
+        assert list(eng.generate(short, greedy(3))) == one.generate_greedy(short, 3)
+        assert (gpu.launches, eng.resident_joins) == (launches, joins + 1)
+        assert list(eng.generate(long_, greedy(3))) == one.generate_greedy(long_, 3)
+        assert gpu.launches == launches + 1 and eng.resident_joins == joins + 1  # relaunched, not joined
+        prompt = rng.integers(0, cfg.vocab_size, 8).tolist()
+        out1 = list(eng.generate(prompt, greedy(5), session_id="short-joins"))
+        turn2 = prompt + out1 + rng.integers(0, cfg.vocab_size, 4).tolist()  # 17 tokens, 13 of them stored
+        launches, joins = gpu.launches, eng.resident_joins
+        g2 = eng.generate(turn2, greedy(3), session_id="short-joins")
+        out2 = list(g2)
+        assert (gpu.launches, eng.resident_joins) == (launches, joins + 1)
+        assert g2.reused_tokens == len(prompt) + len(out1) - 1 and out2 == one.generate_greedy(turn2, 3)
+    finally:
+        eng._joiner.max_join_tokens = None
+        for g in running:
+            g.cancel()
+            list(g)
+
+
+@emu_only
 def test_a_resident_build_computes_the_batch_builds_numbers(tiny):
     """Teacher forcing through a resident build's slot copies in shared memory: bit-identical logits to the
     plain batch build on the same grid (only where each slot's settings are read from differs)."""

@@ -36,6 +36,19 @@ def test_reuses_the_longest_common_prefix_and_leaves_one_token_to_prefill():
     assert (s.hits, s.misses, s.reused_tokens) == (3, 3, 4 + 4 + 2)
 
 
+def test_reusable_says_what_acquire_would_reuse_without_claiming_or_counting():
+    cache = SessionCache()
+    assert cache.reusable("s", [1, 2, 3]) == 0  # nothing stored
+    cache.release(cache.acquire("s", [1, 2, 3]), "kv", [1, 2, 3, 4], 10)
+    before = cache.stats()
+    assert cache.reusable("s", [1, 2, 3, 4, 5, 6]) == 4
+    assert cache.reusable("s", [1, 2, 3, 4]) == 3  # one position is always left to prefill
+    assert cache.reusable("s", [7]) == 0 and cache.reusable("other", [1, 2]) == 0
+    assert cache.stats() == before and cache.resident() == ["s"]  # no hit, miss or eviction counted
+    lease = cache.acquire("s", [1, 2, 3, 4, 5])
+    assert lease.reused == 4 and cache.reusable("s", [1, 2, 3, 4, 5]) == 0  # lent out: not reusable now
+
+
 def test_lru_bounds_by_count_and_bytes_never_evicting_a_session_in_use():
     cache = SessionCache(max_bytes=100, max_sessions=2)
     held = cache.acquire("busy", [1, 2])
