@@ -61,20 +61,37 @@ def _cublas():
 
 
 _SHARED: dict = {}
-# Per thread: run the GEMMs on fp32 copies of the bf16 operands (cuBLAS's SIMT kernels). A resident launch's
-# joins need it where cuBLAS's tensor-core kernels would wait for the running kernel: measured on the H200
-# with 116 of 132 SMs held (bench/gemm_concurrency_probe.py), bf16 and TF32 GEMMs of some prefill shapes
-# waited for the holding kernel to end, fp32 SIMT ones never did. Same bf16 inputs, other summation order.
+# Per thread: which GEMMs the Blas calls run. A resident launch's joins need GEMMs that run beside the running
+# kernel: measured on the H200 with 116 of 132 SMs held (bench/gemm_concurrency_probe.py), cuBLAS's bf16 and
+# TF32 GEMMs of some prefill shapes waited for the holding kernel to end, its fp32 SIMT ones never did.
+#   tensor: cuBLAS bf16 tensor cores (the default; every prefill outside a join)
+#   mma:    our mma.sync GEMM (replicas/prefill_gemm.py: plain launches, no clusters), same bf16 operands
+#   fp32:   cuBLAS's SIMT kernels on fp32 copies of the bf16 operands (PEDANTIC: never tensor cores)
+GEMM_MODES = ("tensor", "mma", "fp32")
 _MODE = threading.local()
 
 
-def use_fp32_gemms(on: bool) -> None:
-    """This thread's Blas GEMMs on fp32 operands (True) or bf16 tensor cores (False, the default)."""
-    _MODE.fp32 = bool(on)
+def use_gemm_mode(mode: str) -> None:
+    """Set this thread's GEMM mode (one of GEMM_MODES)."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"GEMM mode {mode!r}: one of {GEMM_MODES}")
+    _MODE.name = mode
+
+
+def gemm_mode() -> str:
+    return getattr(_MODE, "name", "tensor")
 
 
 def _compute() -> int:
-    return COMPUTE_32F_PEDANTIC if getattr(_MODE, "fp32", False) else COMPUTE_32F
+    return COMPUTE_32F_PEDANTIC if gemm_mode() == "fp32" else COMPUTE_32F
+
+
+def _mma(cp):
+    if "mma" not in _SHARED:
+        from replicas.prefill_gemm import MmaGemm
+
+        _SHARED["mma"] = MmaGemm(cp)
+    return _SHARED["mma"]
 
 
 def set_sm_count_target(cp, sms: int) -> bool:
@@ -122,6 +139,8 @@ class Blas:
         cp = self.cp
         t, n, ldw = x_bits.shape[0], w.shape[0], w.strides[0] // 2
         assert x_bits.flags.c_contiguous and w.strides[-1] == 2 and x_bits.shape[1] == k
+        if gemm_mode() == "mma":
+            return _mma(cp).linear(x_bits, w, k)
         y = cp.empty((t, n), cp.float32)
         (wp, wt, ldw), (xp, xt, _) = self._operand(w[:, :k], ldw), self._operand(x_bits, k)
         self.lib.gemmEx(self._handle(), OP_T, OP_N, n, t, k, self._one.ctypes.data, wp, wt, ldw,
@@ -132,7 +151,7 @@ class Blas:
     def _operand(self, bits, ld: int, stride: int = 0):
         """A GEMM operand from a bf16 view: (pointer, type, leading dim) as it is, or in fp32 mode a
         contiguous fp32 copy's (its leading dim the view's last extent; kept alive until the call's end)."""
-        if not getattr(_MODE, "fp32", False):
+        if gemm_mode() != "fp32":
             return bits.data.ptr, R_16BF, ld
         from replicas.monokernel_prefill import _kernels
 
@@ -147,12 +166,14 @@ class Blas:
         Returns fp32 [KV, T, G, D]."""
         cp, lib = self.cp, self.lib
         kv, t, g, d = q_bits.shape
-        out = cp.empty((kv, t, g, d), cp.float32)
         keys = q_offset + t
         qb = t if kv * g * t * keys * 4 <= 2**30 else max(64, 2**30 // (kv * g * keys * 4))
+        if gemm_mode() == "mma":
+            return self._causal_attention_mma(q_bits, k_heads, v_heads, scale, q_offset, qb)
+        out = cp.empty((kv, t, g, d), cp.float32)
         self._alpha[0] = scale
         h = self._handle()
-        fp32 = getattr(_MODE, "fp32", False)
+        fp32 = gemm_mode() == "fp32"
         if fp32:  # contiguous fp32 copies of the keys / values in use: [KV, keys, D]
             k_heads, v_heads, ctx_stride = k_heads[:, :keys], v_heads[:, :keys], keys
         kp, kt, _ = self._operand(k_heads, d)
@@ -178,4 +199,21 @@ class Blas:
                                      self._zero.ctypes.data, out.data.ptr + s * g * d * 4, R_32F, d, t * g * d,
                                      kv, _compute(), GEMM_DEFAULT)
         self._keep = None
+        return out
+
+    def _causal_attention_mma(self, q_bits, k_heads, v_heads, scale: float, q_offset: int, qb: int):
+        """causal_attention on the mma.sync GEMM (same blocks, same softmax kernel)."""
+        cp, mm = self.cp, _mma(self.cp)
+        kv, t, g, d = q_bits.shape
+        out = cp.empty((kv, t, g, d), cp.float32)
+        q3, o3 = q_bits.reshape(kv, t * g, d), out.reshape(kv, t * g, d)
+        for s in range(0, t, qb):
+            e = min(t, s + qb)
+            rows, cols = (e - s) * g, q_offset + e
+            scores = cp.empty((kv, rows, cols), cp.float32)
+            mm.gemm(q3[:, s * g:e * g], k_heads[:, :cols], scores, trans_b=True, alpha=scale)
+            probs = cp.empty((kv, rows, cols), cp.uint16)
+            self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
+                                                np.int32(q_offset + s)))
+            mm.gemm(probs, v_heads[:, :cols], o3[:, s * g:e * g], trans_b=False)
         return out

@@ -16,6 +16,8 @@ import logging
 import os
 import time
 
+import numpy as np
+
 from replicas import layout as L
 from replicas.engine import FinishReason
 
@@ -29,6 +31,12 @@ WARM_LENGTHS = (1, 8, 32, 128, 512, 2048)
 # llama-3.2-1b: ~15-25 ms for 64 tokens (estimate); longer prompts relaunch (their prefill on every SM's
 # tensor cores, ~15 ms gap for the running slots).
 FP32_JOIN_TOKENS = 64
+# The mma.sync GEMM (replicas/prefill_gemm.py) on the free SMs: not measured yet; at a guessed ~60 TFLOP/s on
+# 16 SMs, 512 tokens of llama-3.2-1b take ~20 ms. Longer prompts relaunch.
+MMA_JOIN_TOKENS = 512
+# A join mode's logits (128-token prompt) against the tensor-core prefill's: same bf16 products, other
+# summation order, and bf16 re-roundings of activations between GEMMs that can land one ulp apart.
+JOIN_MODE_TOL = 2e-3
 
 
 def prefer_eager_module_loading() -> None:
@@ -121,43 +129,62 @@ class Joiner:
         self.job = (b, self._pool.submit(run))
 
     def warm(self, slot: int, max_context: int, vocab_size: int) -> str | None:
-        """Before the first launch, in the worker thread on the prefill stream: load the joins' kernels
-        (prefills of WARM_LENGTHS into `slot`, free now; also that thread's cuBLAS handle, told to plan for
-        the SMs a launch leaves free), then check that those prefills run beside a kernel holding the
-        launch's SMs (replicas/concurrency_check.py). Sets and returns the joins' GEMM mode: "tensor"
-        (bf16 tensor cores), "fp32" (cuBLAS's SIMT kernels on fp32 copies, where tensor-core GEMMs waited;
-        joins then take prompts of up to FP32_JOIN_TOKENS, longer ones relaunch) or None (neither ran
-        beside it: no joins, every request relaunches)."""
+        """Before the first launch, in the worker thread on the prefill stream: pick the joins' GEMM mode
+        (replicas/monokernel_blas.GEMM_MODES, in that order) as the first one whose prefills of WARM_LENGTHS
+        (into `slot`, free now) run beside a kernel holding the launch's SMs (concurrency_check.runs_beside)
+        and agree with the tensor-core prefill within JOIN_MODE_TOL. Loading each mode's kernels then (and
+        the thread's cuBLAS handle, told to plan for the free SMs) keeps those loads out of a running launch.
+        Sets and returns the mode; None: nothing ran beside it (no joins: every request relaunches)."""
         from replicas.concurrency_check import runs_beside
-        from replicas.monokernel_blas import set_sm_count_target, use_fp32_gemms
+        from replicas.monokernel_blas import GEMM_MODES, set_sm_count_target, use_gemm_mode
 
-        gpu = self.gpu
+        gpu, cp, pre = self.gpu, self.gpu.cp, self.prefills[slot]
         lengths = [n for n in WARM_LENGTHS if n < max_context]
+        probe = [i * 7 % vocab_size for i in range(min(128, max_context - 1))]
 
         def prefill_all():
             for n in lengths:
-                self.prefills[slot].run([i % vocab_size for i in range(n)])
+                pre.run([i % vocab_size for i in range(n)])
             gpu.prefill_stream.synchronize()
 
+        def logits():
+            out = cp.asnumpy(pre.run(probe, all_logits=True)[1])
+            gpu.prefill_stream.synchronize()
+            return out
+
         def run():
-            with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
-                targeted = set_sm_count_target(gpu.cp, gpu.device_sms - gpu.layout.num_sms)
-                tried = []
-                for mode in ("tensor", "fp32"):
-                    use_fp32_gemms(mode == "fp32")
-                    prefill_all()  # loads this mode's kernels
-                    if mode == "fp32" and module_loading_mode() == "lazy":
-                        for n in range(1, min(FP32_JOIN_TOKENS, max_context - 1) + 1):  # every GEMM shape a
-                            self.prefills[slot].run([i % vocab_size for i in range(n)])  # fresh join can take
-                    beside, secs = runs_beside(gpu.cp, gpu.layout.num_sms, gpu.stream, prefill_all)
+            tried = []
+            with cp.cuda.Device(gpu.device), gpu.prefill_stream:
+                targeted = set_sm_count_target(cp, gpu.device_sms - gpu.layout.num_sms)
+                use_gemm_mode("tensor")
+                want = logits()
+                for mode in GEMM_MODES:
+                    try:
+                        use_gemm_mode(mode)
+                        prefill_all()  # loads this mode's kernels
+                        if mode != "tensor" and module_loading_mode() == "lazy":
+                            for n in range(1, min(self._limit(mode) or 64, max_context - 1) + 1):
+                                pre.run([i % vocab_size for i in range(n)])  # each fresh join's GEMM shapes
+                        err = float(np.max(np.abs(logits() - want)) / np.max(np.abs(want)))
+                        if not err <= JOIN_MODE_TOL:
+                            tried.append(f"{mode}: logits {err:.1e} from the tensor-core prefill's")
+                            continue
+                        t = time.perf_counter()
+                        prefill_all()
+                        free_s = time.perf_counter() - t  # on every SM; beside a launch it gets 1/8 of them
+                        beside, secs = runs_beside(cp, gpu.layout.num_sms, gpu.stream, prefill_all,
+                                                   max_s=max(2.0, 30 * free_s))
+                    except Exception as e:  # noqa: BLE001 - a mode that fails here is not used; the next is tried
+                        tried.append(f"{mode}: {type(e).__name__}: {e}")
+                        continue
                     tried.append(f"{mode}: {secs * 1e3:.1f} ms, {'beside' if beside else 'waited'}")
                     if beside:
                         return mode, targeted, tried
-                use_fp32_gemms(False)
+                use_gemm_mode("tensor")
                 return None, targeted, tried
 
         self.mode, targeted, tried = self._pool.submit(run).result()
-        self.max_join_tokens = FP32_JOIN_TOKENS if self.mode == "fp32" else None
+        self.max_join_tokens = self._limit(self.mode)
         msg = (f"resident joins: GEMM mode {self.mode} (prefills of {lengths} tokens beside a kernel on "
                f"{gpu.layout.num_sms} SMs: {'; '.join(tried)}; cuBLAS SM target set: {targeted})")
         (log.info if self.mode == "tensor" else log.warning)(msg if self.mode else
@@ -168,6 +195,10 @@ class Joiner:
                         "before the process first uses CUDA (`monoserve replica --resident` and the resident "
                         "engine's from_pretrained do when nothing used CUDA yet).")
         return self.mode
+
+    @staticmethod
+    def _limit(mode: str | None) -> int | None:
+        return {"fp32": FP32_JOIN_TOKENS, "mma": MMA_JOIN_TOKENS}.get(mode)
 
     def takes(self, n_tokens: int) -> bool:
         """Whether a prompt of n_tokens may join (fp32 mode: short ones; longer prefill faster relaunched)."""

@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-from replicas.monokernel_resident import FP32_JOIN_TOKENS
+from replicas.monokernel_resident import JOIN_MODE_TOL
 
 # The resident batch grid (132 - 16 SMs) splits attention and the fused down's partials differently from the
 # single engine's 132: fp32 sums in another order, measured 1.5e-4 of the max logit on llama-3.2-1b over 180
@@ -93,7 +93,7 @@ def test_requests_join_the_running_launch_and_get_the_single_engines_tokens(engi
         assert o == list(one.generate(p, greedy(n)))
     for p, n, o in zip(ps[3:], lens[3:], outs_late):
         want = list(one.generate(p, greedy(n)))
-        if res._joiner.mode == "fp32":  # SIMT join GEMMs sum in another order: tokens may part at a near tie
+        if res._joiner.mode != "tensor":  # mma / SIMT join GEMMs sum in another order: may part at a near tie
             assert_same_greedy(one, p, o, want)
         else:
             assert o == want
@@ -111,9 +111,9 @@ def test_a_sessions_turns_join_the_running_launch_and_turn_two_equals_a_fresh_re
     for g in running:
         next(g)
     launches, joins = res.launches, res.resident_joins
-    # fp32 join mode (where tensor-core GEMMs do not run beside a launch) joins prompts of up to
-    # FP32_JOIN_TOKENS: turn 1 fits it then; turn 2 prefills only its 40 new tokens either way
-    n1 = 300 if res._joiner.mode == "tensor" else FP32_JOIN_TOKENS - 8
+    # the mma / fp32 join modes (where cuBLAS's tensor-core GEMMs do not run beside a launch) join prompts of
+    # up to max_join_tokens to prefill: turn 1 fits it; turn 2 prefills only its 40 new tokens either way
+    n1 = min(300, (res._joiner.max_join_tokens or 300) - 8)
     prompt = rng.integers(0, vocab, n1).tolist()
     g1 = res.generate(prompt, greedy(16), session_id="agent")
     out1 = list(g1)
@@ -130,12 +130,14 @@ def test_a_sessions_turns_join_the_running_launch_and_turn_two_equals_a_fresh_re
         list(g)
 
 
-def test_fp32_join_gemms_compute_the_tensor_core_prefills_numbers(engines):
-    """The joins' fp32 GEMM mode (cuBLAS's SIMT kernels on fp32 copies of the same bf16 operands, used where
-    tensor-core GEMMs wait for a running launch) against the default bf16 tensor-core prefill: the products
-    are the same, the sums run in another order, and a bf16 re-rounding of an activation between GEMMs can
-    then land one ulp apart, so 2e-3 of the max logit (10x inside TOL, the transformers bound)."""
-    from replicas.monokernel_blas import use_fp32_gemms
+@pytest.mark.parametrize("mode", ["mma", "fp32"])
+def test_join_gemm_modes_compute_the_tensor_core_prefills_numbers(engines, mode):
+    """The joins' other GEMM modes (used where cuBLAS's tensor-core GEMMs wait for a running launch): our
+    mma.sync GEMM on the same bf16 operands, cuBLAS's SIMT kernels on fp32 copies of them, against the
+    default bf16 tensor-core prefill. The products are the same, the sums run in another order, and a bf16
+    re-rounding of an activation between GEMMs can then land one ulp apart: JOIN_MODE_TOL (2e-3 of the max
+    logit, 10x inside TOL, the transformers bound), the same bound the engine checks at start."""
+    from replicas.monokernel_blas import use_gemm_mode
 
     _, one, res = engines
     cp = res.gpu.cp
@@ -143,11 +145,11 @@ def test_fp32_join_gemms_compute_the_tensor_core_prefills_numbers(engines):
     pre = res._prefill[0]
     with cp.cuda.Device(res.gpu.device):
         _, tensor = pre.run(ids, all_logits=True)
-        use_fp32_gemms(True)
+        use_gemm_mode(mode)
         try:
-            _, simt = pre.run(ids, all_logits=True)
+            _, other = pre.run(ids, all_logits=True)
         finally:
-            use_fp32_gemms(False)
-        tensor, simt = cp.asnumpy(tensor), cp.asnumpy(simt)
-    assert np.isfinite(simt).all() and simt.shape == tensor.shape
-    assert rel(simt, tensor) <= 2e-3
+            use_gemm_mode("tensor")
+        tensor, other = cp.asnumpy(tensor), cp.asnumpy(other)
+    assert np.isfinite(other).all() and other.shape == tensor.shape
+    assert rel(other, tensor) <= JOIN_MODE_TOL
