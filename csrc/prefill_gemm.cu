@@ -317,4 +317,7 @@ extern "C" int pg_emu_launch(int mi, int tb, int va, int vb, const void* a, cons
   };
   return mk_emu::run(run, &l, blocks, pg::kThreads, smem, 256 << 10, max_switches);
 }
+extern "C" int pg_emu_smem_bytes(int mi) {
+  return mi == 1 ? pg::Tile<1>::kSmemBytes : mi == 2 ? pg::Tile<2>::kSmemBytes : pg::Tile<4>::kSmemBytes;
+}
 #endif

@@ -86,6 +86,12 @@ def _compute() -> int:
     return COMPUTE_32F_PEDANTIC if gemm_mode() == "fp32" else COMPUTE_32F
 
 
+def load_gemm_mode(cp, mode: str) -> None:
+    """Load every kernel `mode` may launch (now, not during a resident launch: a first launch waits for it)."""
+    if mode == "mma":
+        _mma(cp).warm()
+
+
 def _mma(cp):
     if "mma" not in _SHARED:
         from replicas.prefill_gemm import MmaGemm

@@ -136,7 +136,7 @@ class Joiner:
         the thread's cuBLAS handle, told to plan for the free SMs) keeps those loads out of a running launch.
         Sets and returns the mode; None: nothing ran beside it (no joins: every request relaunches)."""
         from replicas.concurrency_check import runs_beside
-        from replicas.monokernel_blas import GEMM_MODES, set_sm_count_target, use_gemm_mode
+        from replicas.monokernel_blas import GEMM_MODES, load_gemm_mode, set_sm_count_target, use_gemm_mode
 
         gpu, cp, pre = self.gpu, self.gpu.cp, self.prefills[slot]
         lengths = [n for n in WARM_LENGTHS if n < max_context]
@@ -161,7 +161,8 @@ class Joiner:
                 for mode in GEMM_MODES:
                     try:
                         use_gemm_mode(mode)
-                        prefill_all()  # loads this mode's kernels
+                        load_gemm_mode(cp, mode)
+                        prefill_all()  # loads this mode's kernels (the ones shape-specific libraries pick)
                         if mode != "tensor" and module_loading_mode() == "lazy":
                             for n in range(1, min(self._limit(mode) or 64, max_context - 1) + 1):
                                 pre.run([i % vocab_size for i in range(n)])  # each fresh join's GEMM shapes

@@ -84,6 +84,8 @@ def _elem_strides(name: str, x, dtype, itemsize: int) -> tuple[int, int]:
         raise ValueError(f"{name} must be 3-d [batch, rows, cols], got shape {tuple(x.shape)}")
     if np.dtype(x.dtype) != np.dtype(dtype):
         raise ValueError(f"{name} must be {np.dtype(dtype).name}, got {np.dtype(x.dtype).name}")
+    if 0 in tuple(x.shape):
+        return 0, 0  # nothing is read or written
     strides = tuple(int(s) for s in x.strides)
     if x.shape[2] > 1 and strides[2] != itemsize:
         raise ValueError(f"{name}'s last dim must be contiguous (stride {itemsize} bytes), got strides {strides}")
@@ -111,8 +113,8 @@ def plan_gemm(a, b, out, *, trans_b: bool, alpha: float = 1.0) -> Plan | None:
         raise ValueError(f"a is [batch={batch}, M={m}, K={k}], so {want} must match it: got b {tuple(b.shape)}")
     if tuple(int(d) for d in out.shape) != (batch, m, n):
         raise ValueError(f"out must be [batch, M, N] = {(batch, m, n)}, got {tuple(out.shape)}")
-    if max(m, n, k) >= 2**31 or max(abs(v) for v in (lda, sa, ldb, sb, ldc, sc)) >= 2**62:
-        raise ValueError(f"dims {(m, n, k)} or strides too large for the kernel's int / int64 indexing")
+    if max(m, n, k) >= 2**31:
+        raise ValueError(f"dims (M, N, K) = {(m, n, k)} exceed the kernel's int indexing")
     if batch == 0 or m == 0 or n == 0 or k == 0:
         return None
     mi = pick_mi(m)
@@ -162,8 +164,8 @@ class MmaGemm:
         self.launch(plan, a, b, out)
 
     def linear(self, x_bits, w, k: int):
-        """x_bits [T, k] uint16 (contiguous) . w[:, :k]^T -> new float32 [T, N]; w uint16 [N, ldw] with
-        contiguous rows and ldw >= k (a view into a padded weight buffer is fine)."""
+        """x_bits [T, k] uint16 (rows contiguous) . w[:, :k]^T -> new float32 [T, N]; w uint16 [N, ldw]
+        with contiguous rows and ldw >= k (a view into a padded weight buffer is fine)."""
         if len(x_bits.shape) != 2 or len(w.shape) != 2:
             raise ValueError(f"x_bits [T, K] and w [N, ldw] must be 2-d, got {tuple(x_bits.shape)}, {tuple(w.shape)}")
         if int(x_bits.shape[1]) != int(k) or int(w.shape[1]) < int(k):
