@@ -19,7 +19,10 @@ OUTCOMES = ("stop", "length", "cancelled", "aborted", "deadline", "invalid", "re
 class ReplicaMetrics:
     """Counters, histograms and gauges the replica server updates; `serve(port)` exposes them."""
 
-    def __init__(self, replica_id: str, capacity: int, session_stats: Callable[[], object] | None = None):
+    def __init__(self, replica_id: str, capacity: int, session_stats: Callable[[], object] | None = None,
+                 engine: object | None = None):
+        """engine: read at scrape for the batched monokernel's launch counters (`launches`, `resident_joins`)
+        and a resident engine's join GEMM mode, where it has them."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"replica": replica_id}
         r = self.registry
@@ -44,6 +47,8 @@ class ReplicaMetrics:
             self.requests(outcome)
         if session_stats is not None:
             r.register(_SessionCollector(session_stats))
+        if engine is not None and hasattr(engine, "launches"):
+            r.register(_LaunchCollector(engine))
         self._http = None
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
@@ -75,3 +80,26 @@ class _SessionCollector(Collector):
             yield CounterMetricFamily(f"monoserve_replica_session_{name}", doc, value=value)
         yield GaugeMetricFamily("monoserve_replica_sessions", "Sessions whose KV is resident now.", value=s.sessions)
         yield GaugeMetricFamily("monoserve_replica_session_bytes", "Bytes of resident session KV.", value=s.bytes)
+
+
+class _LaunchCollector(Collector):
+    """The batched monokernel's kernel launches and resident joins (a join that needs no launch is the
+    resident kernel's point: launches growing with requests means joins are not happening), and the GEMM mode
+    its joins' prefill runs in (replicas/monokernel_resident.Joiner.warm; "off" when none runs beside a launch)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def collect(self):
+        e = self._engine
+        yield CounterMetricFamily("monoserve_replica_kernel_launches", "Monokernel launches (batched engine).",
+                                  value=e.launches)
+        yield CounterMetricFamily("monoserve_replica_resident_joins", "Requests admitted into a running "
+                                  "resident launch, without a relaunch.", value=getattr(e, "resident_joins", 0))
+        if getattr(e, "resident", False):
+            joiner = getattr(e, "_joiner", None)
+            mode = GaugeMetricFamily("monoserve_replica_join_mode", "Constant 1, labelled with the GEMM mode of "
+                                     "the resident joins' prefill (tensor, mma, fp32; off: joins relaunch).",
+                                     labels=["mode"])
+            mode.add_metric([joiner.mode if joiner is not None and joiner.mode else "off"], 1)
+            yield mode

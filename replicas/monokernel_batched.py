@@ -134,7 +134,8 @@ class BatchedMonokernelEngine(ResidentJoins):
         self._sessions = SlotSessions(sessions, gpu)
         self.max_batch, self.max_context, self.devices = self.gpu.batch, self.gpu.max_context, devices
         self._prefill = [prefill(self.gpu.slot_view(b)) for b in range(self.max_batch)]
-        self._joiner = Joiner(gpu, self._prefill) if getattr(gpu, "resident", False) else None
+        self.resident = bool(getattr(gpu, "resident", False))
+        self._joiner = Joiner(gpu, self._prefill) if self.resident else None
         self.idle_ns = int(float(idle_s) * 1e9)
         self.resident_joins = 0  # requests admitted into a running launch (no relaunch)
         self._resident_launch = False  # a resident batch launch is running (session KV is then copied at once)

@@ -163,7 +163,7 @@ class ReplicaServer:
         self.port = port
         self.replica_id = self.replica_id or self.address
         session_stats = getattr(self.engine, "session_stats", None)  # engines that keep sessions' KV
-        self.metrics = ReplicaMetrics(self.replica_id, self.engine.max_batch, session_stats)
+        self.metrics = ReplicaMetrics(self.replica_id, self.engine.max_batch, session_stats, engine=self.engine)
         load = LoadTracker(self.replica_id, self.engine.max_batch, session_stats=session_stats)
         info = engine_info(self.engine, self.replica_id, *self._model)
         self.servicer = ReplicaServicer(self.engine, load, self.metrics, info, on_health_change=self._set_ready)
