@@ -158,6 +158,7 @@ class Joiner:
                 targeted = set_sm_count_target(cp, gpu.device_sms - gpu.layout.num_sms)
                 use_gemm_mode("tensor")
                 want = logits()
+                self._warm_handover(slot)
                 for mode in GEMM_MODES:
                     try:
                         use_gemm_mode(mode)
@@ -196,6 +197,24 @@ class Joiner:
                         "before the process first uses CUDA (`monoserve replica --resident` and the resident "
                         "engine's from_pretrained do when nothing used CUDA yet).")
         return self.mode
+
+    def _warm_handover(self, slot: int) -> None:
+        """CuPy compiles and loads a kernel at its first use, and that load waits for a running launch:
+        measured on the H200, a session's first KV store (a strided copy) held its turn's end until the launch
+        ended. So the join's other GPU operations run once here, on `slot` (free; no launch yet): a session's
+        store and restore copies, and prepare_join's writes (its row says active = 0, nothing is published)."""
+        from replicas.monokernel_batch import SlotSpec
+
+        gpu, cp = self.gpu, self.gpu.cp
+        view = gpu.slot_view(slot)
+        for n in (1, 2, 17, 300):
+            n = min(n, view.k_cache.shape[2])
+            for cache in (view.k_cache, view.v_cache):
+                rows = cache[:, :, :n].copy()  # SlotSessions.store
+                cache[:, :, :n] = rows  # SlotSessions.restore: all stored rows
+                cache[:, :, :max(1, n - 1)] = rows[:, :, :max(1, n - 1)]  # or a prefix of them
+        gpu.prefill_stream.synchronize()
+        gpu.prepare_join(slot, SlotSpec(start_pos=1, max_steps=1), cp.zeros(gpu.config.hidden_size, cp.float32))
 
     @staticmethod
     def _limit(mode: str | None) -> int | None:
