@@ -164,8 +164,8 @@ class Joiner:
                         use_gemm_mode(mode)
                         load_gemm_mode(cp, mode)
                         prefill_all()  # loads this mode's kernels (the ones shape-specific libraries pick)
-                        if mode != "tensor" and module_loading_mode() == "lazy":
-                            for n in range(1, min(self._limit(mode) or 64, max_context - 1) + 1):
+                        if mode == "fp32" and module_loading_mode() == "lazy":  # cuBLAS picks by shape
+                            for n in range(1, min(FP32_JOIN_TOKENS, max_context - 1) + 1):
                                 pre.run([i % vocab_size for i in range(n)])  # each fresh join's GEMM shapes
                         err = float(np.max(np.abs(logits() - want)) / np.max(np.abs(want)))
                         if not err <= JOIN_MODE_TOL:
@@ -221,7 +221,8 @@ class Joiner:
         return {"fp32": FP32_JOIN_TOKENS, "mma": MMA_JOIN_TOKENS}.get(mode)
 
     def takes(self, n_tokens: int) -> bool:
-        """Whether a prompt of n_tokens may join (fp32 mode: short ones; longer prefill faster relaunched)."""
+        """Whether a join that prefills n_tokens may join (mma / fp32 modes: up to their limit; a longer
+        prefill is faster relaunched, on every SM's tensor cores)."""
         return self.max_join_tokens is None or n_tokens <= self.max_join_tokens
 
     def poll(self) -> tuple[int, BaseException | None] | None:
