@@ -214,7 +214,8 @@ class Joiner:
                 cache[:, :, :n] = rows  # SlotSessions.restore: all stored rows
                 cache[:, :, :max(1, n - 1)] = rows[:, :, :max(1, n - 1)]  # or a prefix of them
         gpu.prefill_stream.synchronize()
-        gpu.prepare_join(slot, SlotSpec(start_pos=1, max_steps=1), cp.zeros(gpu.config.hidden_size, cp.float32))
+        spec = SlotSpec(start_pos=1, max_steps=1, stop_ids=(1, 2))  # stop ids: their copy kernel too
+        gpu.prepare_join(slot, spec, cp.zeros(gpu.config.hidden_size, cp.float32))
 
     @staticmethod
     def _limit(mode: str | None) -> int | None:
