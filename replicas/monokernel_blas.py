@@ -148,22 +148,22 @@ class Blas:
         if gemm_mode() == "mma":
             return _mma(cp).linear(x_bits, w, k)
         y = cp.empty((t, n), cp.float32)
-        (wp, wt, ldw), (xp, xt, _) = self._operand(w[:, :k], ldw), self._operand(x_bits, k)
+        (wp, wt, ldw, w_arr), (xp, xt, _, x_arr) = self._operand(w[:, :k], ldw), self._operand(x_bits, k)
         self.lib.gemmEx(self._handle(), OP_T, OP_N, n, t, k, self._one.ctypes.data, wp, wt, ldw,
                         xp, xt, k, self._zero.ctypes.data, y.data.ptr, R_32F, n, _compute(), GEMM_DEFAULT)
-        self._keep = None
+        del w_arr, x_arr
         return y
 
-    def _operand(self, bits, ld: int, stride: int = 0):
-        """A GEMM operand from a bf16 view: (pointer, type, leading dim) as it is, or in fp32 mode a
-        contiguous fp32 copy's (its leading dim the view's last extent; kept alive until the call's end)."""
+    def _operand(self, bits, ld: int):
+        """A GEMM operand from a bf16 view: (pointer, type, leading dim, the array behind the pointer) as it
+        is, or in fp32 mode a contiguous fp32 copy's (leading dim: the view's last extent). Callers hold the
+        array until the call is issued (the copy is freed to CuPy's stream-ordered pool after that)."""
         if gemm_mode() != "fp32":
-            return bits.data.ptr, R_16BF, ld
+            return bits.data.ptr, R_16BF, ld, bits
         from replicas.monokernel_prefill import _kernels
 
         f = _kernels(self.cp)["widen"](bits)
-        self._keep = (getattr(self, "_keep", None) or ()) + (f,)
-        return f.data.ptr, R_32F, bits.shape[-1]
+        return f.data.ptr, R_32F, bits.shape[-1], f
 
     def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float,
                          q_offset: int = 0):
@@ -182,9 +182,9 @@ class Blas:
         fp32 = gemm_mode() == "fp32"
         if fp32:  # contiguous fp32 copies of the keys / values in use: [KV, keys, D]
             k_heads, v_heads, ctx_stride = k_heads[:, :keys], v_heads[:, :keys], keys
-        kp, kt, _ = self._operand(k_heads, d)
-        vp, vt, _ = self._operand(v_heads, d)
-        qp, qt, _ = self._operand(q_bits, d)
+        kp, kt, _, k_arr = self._operand(k_heads, d)
+        vp, vt, _, v_arr = self._operand(v_heads, d)
+        qp, qt, _, q_arr = self._operand(q_bits, d)
         esize = 4 if fp32 else 2
         for s in range(0, t, qb):
             e = min(t, s + qb)
@@ -198,13 +198,14 @@ class Blas:
             probs = cp.empty((kv, rows, cols), cp.uint16)
             self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
                                                 np.int32(q_offset + s)))
-            pp, pt, _ = self._operand(probs, cols)
+            pp, pt, _, p_arr = self._operand(probs, cols)
             lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, cols, self._one.ctypes.data,
                                      vp, vt, d, ctx_stride * d,
                                      pp, pt, cols, rows * cols,
                                      self._zero.ctypes.data, out.data.ptr + s * g * d * 4, R_32F, d, t * g * d,
                                      kv, _compute(), GEMM_DEFAULT)
-        self._keep = None
+            del p_arr
+        del k_arr, v_arr, q_arr
         return out
 
     def _causal_attention_mma(self, q_bits, k_heads, v_heads, scale: float, q_offset: int, qb: int):
