@@ -33,12 +33,28 @@ extern "C" __global__ void smem_user(float* y) {
 """
 
 
+def time_beside(spin, blocks: int, smem: int, busy, stream, op, spin_ms: int = SPIN_MS) -> float:
+    """ms from issuing op() on `stream` until that stream is done, while `spin` holds `blocks` SMs (one block
+    each: `smem` bytes of shared memory) on the `busy` stream for spin_ms."""
+    import numpy as np
+
+    with busy:
+        spin((blocks,), (256,), (np.int64(spin_ms * 1_000_000),), shared_mem=smem)
+    time.sleep(0.02)  # the spin's blocks are on their SMs
+    t = time.perf_counter()
+    with stream:
+        op()
+    stream.synchronize()
+    ms = (time.perf_counter() - t) * 1e3
+    busy.synchronize()
+    return ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import cupy as cp
-    import numpy as np
 
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     smem = 200 * 1024
@@ -83,20 +99,16 @@ def main() -> None:
         "cupy pool empty (new size)": lambda: cp.empty(37_000_003, cp.uint8),
     }
     rows = []
+
+    def record(coop: bool, name: str, op) -> None:
+        waited = time_beside(kernels[coop], sms - 16, smem, a, b, op)
+        rows.append({"launch": "cooperative" if coop else "plain", "op": name, "ms": round(waited, 2),
+                     "waited_for_kernel": waited > SPIN_MS / 2})
+        print(json.dumps(rows[-1]), flush=True)
+
     for coop in (False, True):
         for name, op in ops.items():
-            with a:
-                kernels[coop]((sms - 16,), (256,), (np.int64(SPIN_MS * 1_000_000),), shared_mem=smem)
-            time.sleep(0.02)
-            t = time.perf_counter()
-            with b:
-                op()
-            b.synchronize()
-            waited = (time.perf_counter() - t) * 1e3
-            a.synchronize()
-            rows.append({"launch": "cooperative" if coop else "plain", "op": name, "ms": round(waited, 2),
-                         "waited_for_kernel": waited > SPIN_MS / 2})
-            print(json.dumps(rows[-1]), flush=True)
+            record(coop, name, op)
     # the real prefill (llama-3.2-1b shape, random weights, 40 and 300 tokens) under the same spin
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -111,18 +123,7 @@ def main() -> None:
             eng._prefill.run(list(range(n)))
         b.synchronize()
         for coop in (False, True):
-            with a:
-                kernels[coop]((sms - 16,), (256,), (np.int64(SPIN_MS * 1_000_000),), shared_mem=smem)
-            time.sleep(0.02)
-            t = time.perf_counter()
-            with b:
-                eng._prefill.run(list(range(n)))
-            b.synchronize()
-            waited = (time.perf_counter() - t) * 1e3
-            a.synchronize()
-            rows.append({"launch": "cooperative" if coop else "plain", "op": f"Prefill.run({n} tokens)",
-                         "ms": round(waited, 2), "waited_for_kernel": waited > SPIN_MS / 2})
-            print(json.dumps(rows[-1]), flush=True)
+            record(coop, f"Prefill.run({n} tokens)", lambda n=n: eng._prefill.run(list(range(n))))
     for h in held:
         if isinstance(h, tuple):
             cp.cuda.runtime.freeHost(h[1])

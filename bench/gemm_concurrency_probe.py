@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.concurrency_probe import _SPIN  # noqa: E402
+from bench.concurrency_probe import _SPIN, time_beside  # noqa: E402
 
 SPIN_MS = 300
 
@@ -59,15 +58,7 @@ def main() -> None:
     b.synchronize()
     for blocks in (116, 100, 66):
         for name, run in cases.items():
-            with a:
-                spin((blocks,), (256,), (np.int64(SPIN_MS * 1_000_000),), shared_mem=200 * 1024)
-            time.sleep(0.02)
-            t = time.perf_counter()
-            with b:
-                run()
-            b.synchronize()
-            ms = (time.perf_counter() - t) * 1e3
-            a.synchronize()
+            ms = time_beside(spin, blocks, 200 * 1024, a, b, run, SPIN_MS)
             print(json.dumps({"spin_sms": blocks, "gemm": name, "ms": round(ms, 2), "waited": ms > SPIN_MS / 2}))
 
 

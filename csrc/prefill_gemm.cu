@@ -118,40 +118,26 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], const
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
 #endif
 
-// One k tile (32) of A rows [m0, m0 + BM) into shared memory, as rows of 32 k.
-template <int BM, bool VEC>
-__device__ __forceinline__ void load_a(unsigned char* s, const unsigned short* a, long long lda, int rows, int k,
-                                       int m0, int k0, int tid) {
-  if (VEC) {
-    for (int i = tid; i < BM * 4; i += kThreads) {
-      const int r = i >> 2, c = i & 3, gm = m0 + r, gk = k0 + 8 * c;
-      const bool ok = gm < rows && gk < k;
-      cp16(s + swz_k(r, c), ok ? a + gm * lda + gk : a, ok ? 2 * min(8, k - gk) : 0);
-    }
-  } else {  // 32 consecutive threads read one row's 32 k: coalesced 2-byte loads
-    for (int i = tid; i < BM * 32; i += kThreads) {
-      const int r = i >> 5, e = i & 31, gm = m0 + r, gk = k0 + e;
-      const unsigned short v = (gm < rows && gk < k) ? a[gm * lda + gk] : (unsigned short)0;
-      *reinterpret_cast<unsigned short*>(s + swz_k(r, e >> 3) + 2 * (e & 7)) = v;
-    }
-  }
-}
+// Byte offset of 16-byte chunk c of row r in a tile whose rows hold CHUNKS chunks (4: 32 k, 8: 64 n).
+template <int CHUNKS>
+__device__ __forceinline__ int swz(int r, int c) { return CHUNKS == 4 ? swz_k(r, c) : swz_n(r, c); }
 
-// One k tile of B as [K, N]: 32 rows of k, 64 n each.
-template <bool VEC>
-__device__ __forceinline__ void load_b_kn(unsigned char* s, const unsigned short* b, long long ldb, int n, int k,
-                                          int n0, int k0, int tid) {
+// A ROWS x (8 CHUNKS) tile of a row-major bf16 matrix [nrows, ncols] (row stride ld) at (r0, c0) into shared
+// memory, zero outside the matrix. A and B as [N, K] are rows of 32 k (CHUNKS 4); B as [K, N], rows of 64 n.
+template <int ROWS, int CHUNKS, bool VEC>
+__device__ __forceinline__ void load_tile(unsigned char* s, const unsigned short* g, long long ld, int nrows,
+                                          int ncols, int r0, int c0, int tid) {
   if (VEC) {
-    for (int i = tid; i < kBK * 8; i += kThreads) {
-      const int r = i >> 3, c = i & 7, gk = k0 + r, gn = n0 + 8 * c;
-      const bool ok = gk < k && gn < n;
-      cp16(s + swz_n(r, c), ok ? b + gk * ldb + gn : b, ok ? 2 * min(8, n - gn) : 0);
+    for (int i = tid; i < ROWS * CHUNKS; i += kThreads) {
+      const int r = (unsigned)i / CHUNKS, c = (unsigned)i % CHUNKS, gr = r0 + r, gc = c0 + 8 * c;  // (shifts)
+      const bool ok = gr < nrows && gc < ncols;
+      cp16(s + swz<CHUNKS>(r, c), ok ? g + gr * ld + gc : g, ok ? 2 * min(8, ncols - gc) : 0);
     }
-  } else {
-    for (int i = tid; i < kBK * 64; i += kThreads) {
-      const int r = i >> 6, e = i & 63, gk = k0 + r, gn = n0 + e;
-      const unsigned short v = (gk < k && gn < n) ? b[gk * ldb + gn] : (unsigned short)0;
-      *reinterpret_cast<unsigned short*>(s + swz_n(r, e >> 3) + 2 * (e & 7)) = v;
+  } else {  // consecutive threads read one row: coalesced 2-byte loads
+    for (int i = tid; i < ROWS * CHUNKS * 8; i += kThreads) {
+      const int r = (unsigned)i / (CHUNKS * 8), e = (unsigned)i % (CHUNKS * 8), gr = r0 + r, gc = c0 + e;
+      const unsigned short v = (gr < nrows && gc < ncols) ? g[gr * ld + gc] : (unsigned short)0;
+      *reinterpret_cast<unsigned short*>(s + swz<CHUNKS>(r, e >> 3) + 2 * (e & 7)) = v;
     }
   }
 }
@@ -160,11 +146,11 @@ template <int MI, bool TB, bool VA, bool VB>
 __device__ __forceinline__ void load_stage(unsigned char* stage, const Args& p, const unsigned short* a,
                                            const unsigned short* b, int m0, int n0, int kt, int tid) {
   const int k0 = kt * kBK;
-  load_a<Tile<MI>::BM, VA>(stage, a, p.lda, p.m, p.k, m0, k0, tid);
+  load_tile<Tile<MI>::BM, 4, VA>(stage, a, p.lda, p.m, p.k, m0, k0, tid);
   if (TB)  // B as [N, K] is laid out like A: rows of 32 k
-    load_a<kBN, VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.n, p.k, n0, k0, tid);
-  else
-    load_b_kn<VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.n, p.k, n0, k0, tid);
+    load_tile<kBN, 4, VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.n, p.k, n0, k0, tid);
+  else  // B as [K, N]: 32 rows of k, 64 n each
+    load_tile<kBK, 8, VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.k, p.n, k0, n0, tid);
 }
 
 // The MMAs of one staged k tile: two k16 steps, each MI x 4 mma per warp.

@@ -10,6 +10,7 @@ once, at engine start, so the engine picks what runs beside its own launches ins
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -26,16 +27,12 @@ extern "C" __global__ void mk_hold_sms(const volatile int* stop, long long max_n
   if (threadIdx.x == 0 && *stop < -1) pad[0] = 0;  // (keeps the shared memory allocated)
 }
 """
-_KERNEL: dict = {}
-
-
+@functools.cache
 def _hold_kernel(cp):
-    if "k" not in _KERNEL:
-        k = cp.RawKernel(_HOLD, "mk_hold_sms")
-        smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
-        k.max_dynamic_shared_size_bytes = smem
-        _KERNEL["k"], _KERNEL["smem"] = k, smem
-    return _KERNEL["k"], _KERNEL["smem"]
+    k = cp.RawKernel(_HOLD, "mk_hold_sms")
+    smem = int(cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    k.max_dynamic_shared_size_bytes = smem
+    return k, smem
 
 
 def runs_beside(cp, sms: int, busy_stream, work, max_s: float = 3.0) -> tuple[bool, float]:

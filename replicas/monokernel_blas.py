@@ -8,6 +8,7 @@ outputs. Row-major Y[T, N] = X[T, K] @ W[N, K]^T is the column-major product W^T
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 
 import numpy as np
@@ -60,7 +61,6 @@ def _cublas():
     return cublas
 
 
-_SHARED: dict = {}
 # Per thread: which GEMMs the Blas calls run. A resident launch's joins need GEMMs that run beside the running
 # kernel: measured on the H200 with 116 of 132 SMs held (bench/gemm_concurrency_probe.py), cuBLAS's bf16 and
 # TF32 GEMMs of some prefill shapes waited for the holding kernel to end, its fp32 SIMT ones never did.
@@ -92,12 +92,11 @@ def load_gemm_mode(cp, mode: str) -> None:
         _mma(cp).warm()
 
 
+@functools.cache
 def _mma(cp):
-    if "mma" not in _SHARED:
-        from replicas.prefill_gemm import MmaGemm
+    from replicas.prefill_gemm import MmaGemm
 
-        _SHARED["mma"] = MmaGemm(cp)
-    return _SHARED["mma"]
+    return MmaGemm(cp)
 
 
 def set_sm_count_target(cp, sms: int) -> bool:
@@ -115,12 +114,11 @@ def set_sm_count_target(cp, sms: int) -> bool:
     return False
 
 
+@functools.cache
 def _softmax(cp):
     """One kernel object per process: it loads its module once per device, before a resident launch
     (monokernel_prefill._kernels says why that matters)."""
-    if "softmax" not in _SHARED:
-        _SHARED["softmax"] = cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
-    return _SHARED["softmax"]
+    return cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
 
 
 class Blas:

@@ -12,6 +12,7 @@ agent session's earlier turns): only ids[P:] are computed, attending to the cach
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -57,25 +58,20 @@ extern "C" __global__ void mk_rope_rows(const float* __restrict__ x, const float
 """
 
 
-_SHARED: dict = {}  # one set of the prefill's own kernels per process (every slot's Prefill launches them)
-
-
+@functools.cache  # one set per process: every slot's Prefill launches the same loaded kernels
 def _kernels(cp):
     """The prefill's CuPy kernels, made once: each kernel object loads its CUDA module on first use, and a
     module loaded while a resident batch launch runs waits for that launch to end (measured on the H200: a
     join's first prefill into slot 3 took 1,731 ms instead of 9 ms), so every slot shares the ones the
     engine loaded before its first launch."""
-    if not _SHARED:
-        mod = cp.RawModule(code=_FUSED)
-        _SHARED.update(
-            widen=cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
-                                       "mk_bf16_to_f32"),
-            narrow=cp.ElementwiseKernel("float32 v", "uint16 y", _BF16_RNE, "mk_f32_to_bf16"),
-            silu_mul=cp.ElementwiseKernel("float32 gate, float32 up", "uint16 y",  # gu -> bf16 SiLU(gate) * up
-                                          "float v = gate / (1.0f + expf(-gate)) * up; " + _BF16_RNE,
-                                          "mk_silu_mul_bf16"),
-            module=mod)
-    return _SHARED
+    return dict(
+        widen=cp.ElementwiseKernel("uint16 x", "float32 y", "y = __uint_as_float(((unsigned int)x) << 16)",
+                                   "mk_bf16_to_f32"),
+        narrow=cp.ElementwiseKernel("float32 v", "uint16 y", _BF16_RNE, "mk_f32_to_bf16"),
+        silu_mul=cp.ElementwiseKernel("float32 gate, float32 up", "uint16 y",  # gu -> bf16 SiLU(gate) * up
+                                      "float v = gate / (1.0f + expf(-gate)) * up; " + _BF16_RNE,
+                                      "mk_silu_mul_bf16"),
+        module=cp.RawModule(code=_FUSED))
 
 
 class Prefill:
