@@ -111,6 +111,9 @@ class MonokernelEngine:
         from replicas.monokernel_prefill import Prefill
 
         self._prefill = Prefill(self.gpu)
+        if self._prefill.graphs is not None:  # capture the common prompt buckets now, not at first requests
+            with self.gpu.cp.cuda.Device(self.gpu.device), self.gpu.stream:
+                self._prefill.graphs.warm()
         self._busy = threading.Lock()
         self.profile = None  # set to a CuPy uint64[13] to time the kernel's phases (bench/decode.py)
 

@@ -21,10 +21,12 @@ GEMM_DEFAULT = -1
 
 _SOFTMAX = r"""
 extern "C" __global__ void causal_softmax_bf16(const float* __restrict__ s, unsigned short* __restrict__ p,
-                                               int rows_per_batch, int ncols, int group, int q0) {
-  // One block per score row; row r of a batch is query position q0 + (r % rows_per_batch) / group.
+                                               int rows_per_batch, int ncols, int group, int q0,
+                                               const int* __restrict__ dyn_q0) {
+  // One block per score row; row r of a batch is query position q0 + (r % rows_per_batch) / group, plus
+  // *dyn_q0 when given (a CUDA graph of the prefill reads its start position at replay).
   const long long row = blockIdx.x;
-  const int t = q0 + (int)(row % rows_per_batch) / group;
+  const int t = q0 + (dyn_q0 ? *dyn_q0 : 0) + (int)(row % rows_per_batch) / group;
   const float* src = s + row * ncols;
   unsigned short* dst = p + row * ncols;
   __shared__ float red[32];
@@ -121,6 +123,9 @@ def _softmax(cp):
     return cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
 
 
+_NULL = np.uint64(0)  # a null pointer argument for a RawKernel (CuPy passes each argument by its own size)
+
+
 class Blas:
     """bf16 GEMMs on the current CuPy stream."""
 
@@ -164,16 +169,23 @@ class Blas:
         return f.data.ptr, R_32F, bits.shape[-1], f
 
     def causal_attention(self, q_bits, k_heads, v_heads, ctx_stride: int, group: int, scale: float,
-                         q_offset: int = 0):
+                         q_offset: int = 0, keys: int | None = None, dyn_offset=None):
         """q_bits [KV, T, G, D] bf16 (contiguous): queries at positions q_offset..q_offset+T-1;
         k_heads/v_heads: uint16 [KV, max_ctx, D] cache views holding positions 0..q_offset+T-1.
-        Returns fp32 [KV, T, G, D]."""
+        Returns fp32 [KV, T, G, D].
+
+        For a CUDA graph (replicas/prefill_graph.py): `dyn_offset` (device int32, [0] = the start position,
+        added to q_offset) is read when the kernels run, and every query block scores `keys` cache rows
+        (>= the last query position + 1); the causal mask zeroes the rows past each query."""
         cp, lib = self.cp, self.lib
         kv, t, g, d = q_bits.shape
-        keys = q_offset + t
+        fixed = keys is not None
+        keys = q_offset + t if keys is None else int(keys)
+        dyn = _NULL if dyn_offset is None else dyn_offset
         qb = t if kv * g * t * keys * 4 <= 2**30 else max(64, 2**30 // (kv * g * keys * 4))
         if gemm_mode() == "mma":
-            return self._causal_attention_mma(q_bits, k_heads, v_heads, scale, q_offset, qb)
+            return self._causal_attention_mma(q_bits, k_heads, v_heads, scale, q_offset, qb, keys if fixed else None,
+                                              dyn)
         out = cp.empty((kv, t, g, d), cp.float32)
         self._alpha[0] = scale
         h = self._handle()
@@ -186,7 +198,8 @@ class Blas:
         esize = 4 if fp32 else 2
         for s in range(0, t, qb):
             e = min(t, s + qb)
-            rows, cols = (e - s) * g, q_offset + e  # this block's queries see keys 0..q_offset+e-1
+            rows = (e - s) * g
+            cols = keys if fixed else q_offset + e  # this block's queries see keys 0..q_offset+e-1
             scores = cp.empty((kv, rows, cols), cp.float32)
             lib.gemmStridedBatchedEx(h, OP_T, OP_N, cols, rows, d, self._alpha.ctypes.data,
                                      kp, kt, d, ctx_stride * d,
@@ -195,7 +208,7 @@ class Blas:
                                      kv, _compute(), GEMM_DEFAULT)
             probs = cp.empty((kv, rows, cols), cp.uint16)
             self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
-                                                np.int32(q_offset + s)))
+                                                np.int32(q_offset + s), dyn))
             pp, pt, _, p_arr = self._operand(probs, cols)
             lib.gemmStridedBatchedEx(h, OP_N, OP_N, d, rows, cols, self._one.ctypes.data,
                                      vp, vt, d, ctx_stride * d,
@@ -206,7 +219,8 @@ class Blas:
         del k_arr, v_arr, q_arr
         return out
 
-    def _causal_attention_mma(self, q_bits, k_heads, v_heads, scale: float, q_offset: int, qb: int):
+    def _causal_attention_mma(self, q_bits, k_heads, v_heads, scale: float, q_offset: int, qb: int,
+                              keys: int | None, dyn):
         """causal_attention on the mma.sync GEMM (same blocks, same softmax kernel)."""
         cp, mm = self.cp, _mma(self.cp)
         kv, t, g, d = q_bits.shape
@@ -214,11 +228,11 @@ class Blas:
         q3, o3 = q_bits.reshape(kv, t * g, d), out.reshape(kv, t * g, d)
         for s in range(0, t, qb):
             e = min(t, s + qb)
-            rows, cols = (e - s) * g, q_offset + e
+            rows, cols = (e - s) * g, q_offset + e if keys is None else keys
             scores = cp.empty((kv, rows, cols), cp.float32)
             mm.gemm(q3[:, s * g:e * g], k_heads[:, :cols], scores, trans_b=True, alpha=scale)
             probs = cp.empty((kv, rows, cols), cp.uint16)
             self.softmax((kv * rows,), (256,), (scores, probs, np.int32(rows), np.int32(cols), np.int32(g),
-                                                np.int32(q_offset + s)))
+                                                np.int32(q_offset + s), dyn))
             mm.gemm(probs, v_heads[:, :cols], o3[:, s * g:e * g], trans_b=False)
         return out

@@ -1,0 +1,137 @@
+"""CUDA graphs of the monokernel prefill (replicas/monokernel_prefill.py) for short prompts.
+
+A short prompt's prefill is bound by the host: ~20 CuPy / cuBLAS operations per layer at 10-30 µs of
+Python each (measured on the H200, llama-3.2-1b: 32 tokens take 18 ms on the host for 1.9 ms of GPU
+work; bench/prefill_probe.py). A graph replays the whole pass with one launch.
+
+One graph per (GEMM mode, padded rows, key rows): the prompt is padded up to the next of GRAPH_ROWS (the
+padding rows compute on token 0 and are never stored: causal attention keeps them out of the real rows),
+and attention scores a power-of-two number of cache rows, masked per query. The start position, the real
+row count and the token ids live in one device buffer that the host fills before each replay, so a graph
+serves every start position (agent sessions' suffixes) whose rows fit its key count.
+
+Memory: the graphs' temporaries come from one private CuPy pool per Prefill, so no other allocation can
+take an address a graph writes. Graphs replay one at a time on the caller's stream, and each replay
+rewrites its temporaries before reading them, so graphs may share that memory; the residual stream a graph
+leaves is copied out right after its replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+GRAPH_ROWS = (16, 32, 64, 128, 256, 512)  # padded prompt rows a graph is captured for (longer: eager)
+MIN_KEYS = 64  # fewest cache rows a graph's attention scores
+GRAPH_SCORE_BYTES = 128 << 20  # one graph's fp32 attention scores [heads, rows, keys]; larger: eager
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    rows: int  # rows computed (the prompt's new tokens, padded)
+    keys: int  # cache rows the attention scores (>= start + rows)
+
+
+def graph_shape(new_tokens: int, start: int, max_context: int, heads: int) -> GraphShape | None:
+    """The graph that prefills `new_tokens` at positions start.. of a cache of `max_context` rows with
+    `heads` query heads, or None where the prompt runs eagerly (too long, too close to the context's end,
+    or scores larger than GRAPH_SCORE_BYTES)."""
+    if new_tokens < 1 or start < 0:
+        raise ValueError(f"new_tokens={new_tokens}, start={start}: need new_tokens >= 1 and start >= 0")
+    rows = next((r for r in GRAPH_ROWS if r >= new_tokens), None)
+    if rows is None or start + rows > max_context:
+        return None
+    keys = min(max_context, max(MIN_KEYS, 1 << (start + rows - 1).bit_length()))
+    if heads * rows * keys * 4 > GRAPH_SCORE_BYTES:
+        return None
+    return GraphShape(rows, keys)
+
+
+def pack_inputs(ids, start: int, rows: int) -> np.ndarray:
+    """The host side of a replay's input buffer: [start, count, ids[start:] padded with 0 to rows] int32."""
+    new = np.asarray(ids[start:], dtype=np.int64)
+    if len(new) > rows:
+        raise ValueError(f"{len(new)} new tokens do not fit a graph of {rows} rows")
+    if len(new) and (new.min() < 0 or new.max() >= 2**31):
+        raise ValueError("token ids must be in [0, 2^31)")
+    out = np.zeros(2 + rows, np.int32)
+    out[0], out[1] = start, len(new)
+    out[2:2 + len(new)] = new
+    return out
+
+
+@dataclass
+class _Graph:
+    graph: object  # cupy.cuda.Graph
+    x: object  # the residual stream it leaves, [rows, H] fp32 (graph-pool memory)
+
+
+class PrefillGraphs:
+    """Captures and replays a Prefill's graphs (GPU only; one caller thread at a time per Prefill)."""
+
+    def __init__(self, prefill):
+        cp = prefill.cp
+        self.pre, self.cp = prefill, cp
+        self.pool = cp.cuda.MemoryPool()
+        self.inputs = cp.zeros(2 + GRAPH_ROWS[-1], cp.int32)  # [start, count, ids...], outside the pool
+        self.graphs: dict[tuple, _Graph] = {}
+        self.failed: set[tuple] = set()  # shapes whose capture failed: eager from then on
+        self._stream = None  # the capture stream (made on first capture, on the current device)
+        self._lock = threading.Lock()
+        m = prefill.m
+        self.max_context = int(m.k_cache.shape[2])
+        self.heads = int(m.config.num_attention_heads)
+
+    def run(self, ids, start: int):
+        """Prefill ids[start:] from a graph: the last row's hidden state [H] (a fresh array), or None when
+        this shape runs eagerly (the caller then runs Prefill.forward itself)."""
+        from replicas.monokernel_blas import gemm_mode
+
+        shape = graph_shape(len(ids) - start, start, self.max_context, self.heads)
+        if shape is None:
+            return None
+        key = (gemm_mode(), shape.rows, shape.keys)
+        if key in self.failed:
+            return None
+        with self._lock:
+            g = self.graphs.get(key) or self._capture(key, shape)
+            if g is None:
+                return None
+            self.inputs[:2 + shape.rows].set(pack_inputs(ids, start, shape.rows))  # stream-ordered
+            g.graph.launch()
+            return g.x[len(ids) - start - 1].copy()
+
+    def _capture(self, key: tuple, shape: GraphShape) -> _Graph | None:
+        from replicas.monokernel_prefill import Positions
+
+        cp = self.cp
+        if self._stream is None:
+            self._stream = cp.cuda.Stream(non_blocking=True)
+        s = self._stream
+        pos = Positions(start=0, count=shape.rows, rows=shape.rows, keys=shape.keys, dyn=self.inputs[:2])
+        try:
+            with cp.cuda.using_allocator(self.pool.malloc), s:
+                s.begin_capture()
+                try:
+                    x = self.pre.forward(self.inputs[2:2 + shape.rows], pos)
+                finally:
+                    graph = s.end_capture()
+        except Exception as e:  # noqa: BLE001 - a shape that cannot be captured runs eagerly (correct, slower)
+            self.failed.add(key)
+            log.warning("prefill CUDA graph for %s (mode, rows, keys) failed to capture, running it eagerly: "
+                        "%s: %s", key, type(e).__name__, e)
+            return None
+        g = self.graphs[key] = _Graph(graph, x)
+        return g
+
+    def warm(self, lengths=(1, 32, 128, 512)) -> None:
+        """Capture the graphs of fresh prompts of these lengths (start 0) now, not at their first request."""
+        for n in lengths:
+            shape = graph_shape(n, 0, self.max_context, self.heads) if n < self.max_context else None
+            if shape is not None:
+                self.run([0] * n, 0)
