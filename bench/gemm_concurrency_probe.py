@@ -26,7 +26,7 @@ def main() -> None:
 
     from replicas.monokernel_blas import COMPUTE_32F, GEMM_DEFAULT, OP_N, OP_T, R_16BF, R_32F, _cublas
 
-    lib = _cublas()
+    lib = _cublas(cp)
     spin = cp.RawModule(code=_SPIN, enable_cooperative_groups=True).get_function("spin")
     spin.max_dynamic_shared_size_bytes = 200 * 1024
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)

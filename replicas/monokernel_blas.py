@@ -55,12 +55,67 @@ extern "C" __global__ void causal_softmax_bf16(const float* __restrict__ s, unsi
 """
 
 
-def _cublas():
+def _cupy_cublas():
     try:
         from cupy_backends.cuda.libs import cublas
     except ImportError:  # older CuPy layouts
         from cupy.cuda import cublas
     return cublas
+
+
+def _loaded_libcublas() -> str | None:
+    """Path of the libcublas this process loaded (CuPy loads it with its first cuBLAS handle), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {ln.split()[-1] for ln in maps if "libcublas.so" in ln and "libcublasLt" not in ln}
+    except OSError:
+        return None
+    return min(paths) if paths else None
+
+
+class CublasC:
+    """The three cuBLAS calls the prefill makes, through ctypes on the loaded libcublas, with CuPy's binding
+    names and argument order. CuPy's own bindings refuse to run while a stream captures a CUDA graph
+    (NotImplementedError, seen on the H200 with CuPy 14.2); cuBLAS itself supports capture, and the prefill's
+    graphs (replicas/prefill_graph.py) capture these calls."""
+
+    def __init__(self, path: str):
+        lib = ctypes.CDLL(path)
+        vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        self._gemm = lib.cublasGemmEx
+        self._gemm.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        self._batched = lib.cublasGemmStridedBatchedEx
+        self._batched.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll, i, i, i]
+        self._stream = lib.cublasSetStream_v2
+        self._stream.argtypes = [vp, vp]
+        for f in (self._gemm, self._batched, self._stream):
+            f.restype = i
+
+    @staticmethod
+    def _check(status: int, name: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{name} returned cuBLAS status {status} (see cublasStatus_t)")
+
+    def gemmEx(self, *args) -> None:
+        self._check(self._gemm(*args), "cublasGemmEx")
+
+    def gemmStridedBatchedEx(self, *args) -> None:
+        self._check(self._batched(*args), "cublasGemmStridedBatchedEx")
+
+    def setStream(self, handle, stream) -> None:
+        self._check(self._stream(handle, stream), "cublasSetStream_v2")
+
+
+def _cublas(cp):
+    """cuBLAS for Blas: CublasC where the loaded library is found (capturable), else CuPy's bindings."""
+    cp.cuda.device.get_cublas_handle()  # loads libcublas
+    path = _loaded_libcublas()
+    if path is not None:
+        try:
+            return CublasC(path)
+        except (OSError, AttributeError):
+            pass
+    return _cupy_cublas()
 
 
 # Per thread: which GEMMs the Blas calls run. A resident launch's joins need GEMMs that run beside the running
@@ -106,14 +161,12 @@ def set_sm_count_target(cp, sms: int) -> bool:
     `sms` SMs: the ones a resident launch leaves free). CuPy has no binding, so ctypes on the libcublas
     this process loaded; False where it is not found."""
     h = cp.cuda.device.get_cublas_handle()
+    path = _loaded_libcublas()
     try:
-        with open("/proc/self/maps") as maps:
-            paths = {ln.split()[-1] for ln in maps if "libcublas.so" in ln and "libcublasLt" not in ln}
-        for path in sorted(paths):
-            return ctypes.CDLL(path).cublasSetSmCountTarget(ctypes.c_void_p(h), ctypes.c_int(int(sms))) == 0
+        return path is not None and ctypes.CDLL(path).cublasSetSmCountTarget(ctypes.c_void_p(h),
+                                                                             ctypes.c_int(int(sms))) == 0
     except (OSError, AttributeError):
-        pass
-    return False
+        return False
 
 
 @functools.cache
@@ -131,7 +184,7 @@ class Blas:
 
     def __init__(self, cp):
         self.cp = cp
-        self.lib = _cublas()
+        self.lib = _cublas(cp)
         self._one = np.ones(1, np.float32)
         self._zero = np.zeros(1, np.float32)
         self._alpha = np.ones(1, np.float32)

@@ -129,8 +129,9 @@ class PrefillGraphs:
         g = self.graphs[key] = _Graph(graph, x)
         return g
 
-    def warm(self, lengths=(1, 32, 128, 512)) -> None:
-        """Capture the graphs of fresh prompts of these lengths (start 0) now, not at their first request."""
+    def warm(self, lengths=GRAPH_ROWS) -> None:
+        """Capture the graphs of fresh prompts of these lengths (start 0) now, not at their first request
+        (a capture costs about one eager prefill's host time)."""
         for n in lengths:
             shape = graph_shape(n, 0, self.max_context, self.heads) if n < self.max_context else None
             if shape is not None:
