@@ -111,6 +111,9 @@ class BatchedMonokernelEngine(ResidentJoins):
         from replicas.monokernel_prefill import Prefill
 
         self._start(config, gpu, devices, Prefill, sessions, idle_s)
+        with gpu.cp.cuda.Device(gpu.device), gpu.stream:  # the slots' prompt-bucket graphs, before any request
+            for graphs in (p.graphs for p in self._prefill if p.graphs is not None):
+                graphs.warm()
         if self._joiner is not None and self._joiner.warm(self.max_batch - 1, self.max_context,
                                                           config.vocab_size) is None:
             self._joiner.close()

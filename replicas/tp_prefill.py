@@ -27,7 +27,7 @@ class ShardedPrefill:
         k_cache/v_cache, rope_cos/rope_sin). vocab_size: the full model's vocabulary.
         on(r): context manager making rank r's device current; to(a, r): a on rank r's device."""
         self.models = list(models)
-        self.parts = [Prefill(m, xp) for m in self.models]
+        self.parts = [Prefill(m, xp, graphs=False) for m in self.models]  # (its run is its own, eager)
         self.xp = self.parts[0].cp
         self.vocab_size = vocab_size
         self.on = on or (lambda r: nullcontext())
