@@ -10,13 +10,18 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -
 echo "ncu: $NCU" >> "$OUT/summary.txt"
 export MK_NVRTC_EXTRA=-lineinfo
 LAYOUT=${LAYOUT-}
+mkdir -p /tmp/ncu
 for cfg in ${CFGS:-1:b1 4:b4}; do  # batch:name
   set -- ${cfg/:/ }
   stage ncu_$2 150 "$NCU" --clock-control none --profile-from-start off --kernel-name monokernel --launch-count 2 \
     --section WarpStateStats --section SourceCounters --section SpeedOfLight -f -o "/tmp/prof_$2" \
     python3 bench/ncu_profile.py --preset llama-3.2-1b --batch "$1" --tokens 64 --layout "$LAYOUT"
-  stage read_$2 60 python3 bench/ncu_profile.py --report "/tmp/prof_$2.ncu-rep" --out "$OUT/stalls_$2.json"
-  "$NCU" --import "/tmp/prof_$2.ncu-rep" --page details --csv > "$OUT/details_$2.csv" 2>&1
+  stage read_$2 60 python3 bench/ncu_profile.py --report "/tmp/prof_$2.ncu-rep" --out "/tmp/ncu/stalls_$2.json"
+  "$NCU" --import "/tmp/prof_$2.ncu-rep" --page details --csv > "/tmp/ncu/details_$2.csv" 2>&1
 done
-python3 -c "from replicas.monokernel_build import kernel_source; open('$OUT/kernel_source.cu','w').write(kernel_source())"
-cat "$OUT/summary.txt"; tail -n 5 "$OUT"/ncu_b1.log "$OUT"/read_b1.log
+python3 -c "from replicas.monokernel_build import kernel_source; open('/tmp/ncu/kernel_source.cu','w').write(kernel_source())"
+# per-function samples (and with two reports what the second adds); everything else in one archive ($OUT keeps
+# at most 8 files)
+python3 bench/ncu_summary.py --source /tmp/ncu/kernel_source.cu /tmp/ncu/stalls_*.json >> "$OUT/summary.txt" 2>&1
+tar czf "$OUT/ncu.tgz" -C /tmp/ncu .
+cat "$OUT/summary.txt"

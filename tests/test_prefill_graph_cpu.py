@@ -159,3 +159,34 @@ def test_kv_store_writes_count_rows_at_start_and_leaves_padding_out(emu, start, 
     assert emu.emu_store(_p(src), _p(by_arg), nkv, d, ctx, src.size, None, start, count) == 0
     assert emu.emu_store(_p(src), _p(by_mem), nkv, d, ctx, src.size, _p(dyn), 0, rows) == 0
     assert np.array_equal(by_arg, want) and np.array_equal(by_mem, want)
+
+
+def test_run_replays_a_graph_where_there_is_one_and_falls_back_to_the_eager_pass():
+    from types import SimpleNamespace
+
+    pre = mp.Prefill(SimpleNamespace(config=None), xp=np)
+    calls, eager = [], []
+
+    class Graphs:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def run(self, ids, start):
+            calls.append((list(ids), start))
+            return self.answer
+
+    def forward(ids_d, pos):
+        eager.append((ids_d.tolist(), pos))
+        return np.arange(len(ids_d) * 3, dtype=np.float32).reshape(len(ids_d), 3)
+
+    pre.forward = forward
+    pre.graphs = Graphs(np.full(3, 7.0, np.float32))
+    x, logits = pre.run([4, 5, 6], start=1)
+    assert x.tolist() == [7.0, 7.0, 7.0] and logits is None
+    assert calls == [([4, 5, 6], 1)] and not eager
+    pre.graphs = Graphs(None)  # no graph for this shape: the eager pass, with the same positions
+    x, _ = pre.run([4, 5, 6], start=1)
+    assert eager == [([5, 6], mp.Positions(start=1, count=2, rows=2))] and x.tolist() == [3.0, 4.0, 5.0]
+    with pytest.raises(ValueError, match="start=3"):
+        pre.run([4, 5, 6], start=3)  # nothing left to compute: refused before any graph or GPU work
+    assert len(calls) == 2
