@@ -1,10 +1,11 @@
-"""Prefill for the monokernel engine: the prompt through cuBLAS GEMMs (CuPy), KV in kernel layout.
+"""Prefill for the monokernel engine: the prompt through whole-matrix GEMMs, KV in kernel layout.
 
-The prompt is compute-bound, so it runs as whole-matrix products (fp32 storage, TF32 tensor
-cores when CUPY_TF32=1, which replicas.monokernel sets by default) rather than through the
-decode kernel. Each layer's packed bf16 weights are widened to fp32 just before use. Keys and
-values are rounded to bf16 exactly as the decode kernel stores them, written into the cache
-[L][kv_heads][max_ctx][D], and the attention here uses those rounded values too.
+A prompt's rows go through each layer as matrix products on the packed bf16 weights (cuBLAS bf16 tensor
+cores with fp32 accumulation, replicas/monokernel_blas.py; inside a resident launch's joins the GEMM
+mode the engine checked at start), rather than through the decode kernel. Keys and values are rounded
+to bf16 exactly as the decode kernel stores them, written into the cache [L][kv_heads][max_ctx][D],
+and the attention here uses those rounded values too. Prompts of up to 512 new tokens replay a CUDA
+graph of this pass (replicas/prefill_graph.py): issued op by op, a short prompt is bound by the host.
 
 `run(ids, start=P)` continues a sequence whose positions 0..P-1 are already in the cache (an
 agent session's earlier turns): only ids[P:] are computed, attending to the cached keys too.

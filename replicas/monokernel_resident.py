@@ -31,8 +31,10 @@ WARM_LENGTHS = (1, 8, 32, 128, 512, 2048)
 # launch: 40 / 60-token joins prefilled in 50-60 ms (join TTFT 46-62 ms; idle engine 11 ms). Longer prompts
 # relaunch: their prefill runs on every SM's tensor cores, for a 12-24 ms gap in the running slots.
 FP32_JOIN_TOKENS = 64
-# The mma.sync GEMM (replicas/prefill_gemm.py) on the free SMs: not measured yet; at a guessed ~60 TFLOP/s on
-# 16 SMs, 512 tokens of llama-3.2-1b take ~20 ms. Longer prompts relaunch.
+# The mma.sync GEMM (replicas/prefill_gemm.py) on the 16 free SMs, replayed from CUDA graphs, measured on the H200
+# (llama-3.2-1b beside a B = 4 launch): 40 / 60-token joins prefill in 10 ms (TTFT 12 ms), 300 tokens (padded to
+# 512 rows) in 58 ms. Longer prompts relaunch. Open: with graph prefill a relaunch got cheaper too (its prefill
+# runs on every SM); where the two cross for the joiner and the running slots is not measured yet.
 MMA_JOIN_TOKENS = 512
 # A join mode's logits against the tensor-core prefill's: the same bf16 products summed in another order,
 # so an activation's bf16 re-rounding between GEMMs can land one ulp (2^-8) apart and spread through the
