@@ -136,3 +136,5 @@ class PrefillGraphs:
             shape = graph_shape(n, 0, self.max_context, self.heads) if n < self.max_context else None
             if shape is not None:
                 self.run([0] * n, 0)
+        log.info("prefill graphs: %d captured, %.0f MB held by their pool", len(self.graphs),
+                 self.pool.total_bytes() / 1e6)
