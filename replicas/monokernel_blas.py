@@ -176,7 +176,7 @@ def _softmax(cp):
     return cp.RawKernel(_SOFTMAX, "causal_softmax_bf16")
 
 
-_NULL = np.uint64(0)  # a null pointer argument for a RawKernel (CuPy passes each argument by its own size)
+NULL_ARG = np.uint64(0)  # a null pointer argument for a RawKernel (CuPy passes each argument by its own size)
 
 
 class Blas:
@@ -234,7 +234,7 @@ class Blas:
         kv, t, g, d = q_bits.shape
         fixed = keys is not None
         keys = q_offset + t if keys is None else int(keys)
-        dyn = _NULL if dyn_offset is None else dyn_offset
+        dyn = NULL_ARG if dyn_offset is None else dyn_offset
         qb = t if kv * g * t * keys * 4 <= 2**30 else max(64, 2**30 // (kv * g * keys * 4))
         if gemm_mode() == "mma":
             return self._causal_attention_mma(q_bits, k_heads, v_heads, scale, q_offset, qb, keys if fixed else None,

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from replicas.monokernel_blas import NULL_ARG
+
 QUERY_BLOCK = 1024  # query rows per attention block: bounds the score buffer
-_NULL = np.uint64(0)  # a null pointer argument for a RawKernel
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,9 @@ class Prefill:
             self._rms_k = k["module"].get_function("mk_rms_rows")
             self._rope_k = k["module"].get_function("mk_rope_rows")
             self._store_k = k["module"].get_function("mk_store_kv")
-            if graphs if graphs is not None else os.environ.get("MK_PREFILL_GRAPHS", "1") != "0":
+            if graphs is None:
+                graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
+            if graphs:
                 from replicas.prefill_graph import PrefillGraphs
 
                 self.graphs = PrefillGraphs(self)
@@ -163,7 +166,7 @@ class Prefill:
         scale = 1.0 / math.sqrt(D)
         if self.blas is not None:
             qb = cp.ascontiguousarray(self.narrow(q.reshape(T, NKV, G, D).transpose(1, 0, 2, 3)))
-            dyn = None if pos is None or pos.dyn is None else pos.dyn
+            dyn = None if pos is None else pos.dyn
             out = self.blas.causal_attention(qb, self.m.k_cache[n], self.m.v_cache[n], self.m.k_cache.shape[2], G, scale,
                                              q_offset=0 if dyn is not None else start,
                                              keys=None if pos is None else pos.keys, dyn_offset=dyn)
@@ -223,7 +226,7 @@ class Prefill:
         y = cp.empty_like(xc)
         total = xc.size
         self._rope_k(((total + 255) // 256,), (256,), (xc, cos, sin, y, np.int32(x.shape[1]), np.int32(x.shape[2]),
-                                                        np.int64(total), _NULL if dyn is None else dyn,
+                                                        np.int64(total), NULL_ARG if dyn is None else dyn,
                                                         np.int32(start)))
         return y
 
@@ -239,7 +242,7 @@ class Prefill:
             return
         cp = self.cp
         nkv, d, ctx = m.k_cache.shape[1], m.k_cache.shape[3], m.k_cache.shape[2]
-        dyn = _NULL if pos.dyn is None else pos.dyn
+        dyn = NULL_ARG if pos.dyn is None else pos.dyn
         for src, cache in ((k_bits, m.k_cache[n]), (v_bits, m.v_cache[n])):
             src = cp.ascontiguousarray(src)
             total = src.size

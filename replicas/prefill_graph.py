@@ -133,8 +133,6 @@ class PrefillGraphs:
         """Capture the graphs of fresh prompts of these lengths (start 0) now, not at their first request
         (a capture costs about one eager prefill's host time)."""
         for n in lengths:
-            shape = graph_shape(n, 0, self.max_context, self.heads) if n < self.max_context else None
-            if shape is not None:
-                self.run([0] * n, 0)
+            self.run([0] * n, 0)  # (a length without a graph runs nothing)
         log.info("prefill graphs: %d captured, %.0f MB held by their pool", len(self.graphs),
                  self.pool.total_bytes() / 1e6)

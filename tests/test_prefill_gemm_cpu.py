@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import ctypes
-import platform
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 
 from replicas import prefill_gemm as pg
+from tests.emu_cpp import build_emulated
 
 # -- fragment model -------------------------------------------------------------------------------------
 
@@ -122,17 +122,7 @@ def rand_bits(rng, shape) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    cxx = shutil.which("g++")
-    if cxx is None or platform.machine() != "x86_64":
-        pytest.skip("the CUDA CPU emulator needs g++ on x86-64")
-    d = tmp_path_factory.mktemp("pg_emu")
-    src = d / "pg_emu.cpp"
-    src.write_text((pg.SOURCE.parent / "emu" / "cuda_on_cpu.h").read_text() + pg.SOURCE.read_text())
-    so = d / "pg_emu.so"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", "-DPG_EMU", str(src), "-o", str(so)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lib = ctypes.CDLL(str(so))
+    lib = build_emulated(tmp_path_factory.mktemp("pg_emu"), "pg_emu", pg.SOURCE.read_text(), ("-DPG_EMU",))
     P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.pg_emu_launch.restype = I
     lib.pg_emu_launch.argtypes = [I, I, I, I, P, P, P, I, I, I, LL, LL, LL, LL, LL, LL, ctypes.c_float, I,

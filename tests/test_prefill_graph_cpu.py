@@ -14,15 +14,13 @@ tests/test_prefill_graph_gpu.py.
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 from replicas import monokernel_prefill as mp
 from replicas import prefill_graph as pgr
+from tests.emu_cpp import build_emulated
 
 
 def test_graph_shapes_pad_rows_to_a_bucket_and_cover_every_position_with_keys():
@@ -99,21 +97,9 @@ extern "C" int emu_store(const unsigned short* src, unsigned short* dst, int nkv
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    from pathlib import Path
-
-    cxx = shutil.which("g++")
-    if cxx is None or platform.machine() != "x86_64":
-        pytest.skip("the CUDA CPU emulator needs g++ on x86-64")
-    d = tmp_path_factory.mktemp("prefill_emu")
-    src = d / "prefill_emu.cpp"
-    header = (Path(mp.__file__).parent.parent / "csrc" / "emu" / "cuda_on_cpu.h").read_text()
     # (__shared__: only the RMSNorm kernel has any, and it is not run here)
-    src.write_text(header + "#define __shared__ static\n" + mp._FUSED + _WRAP)
-    so = d / "prefill_emu.so"
-    r = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-w", str(src), "-o", str(so)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    lib = ctypes.CDLL(str(so))
+    lib = build_emulated(tmp_path_factory.mktemp("prefill_emu"), "prefill_emu",
+                         "#define __shared__ static\n" + mp._FUSED + _WRAP)
     P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.emu_rope.argtypes = [P, P, P, P, I, I, LL, P, I]
     lib.emu_store.argtypes = [P, P, I, I, I, LL, P, I, I]
