@@ -116,7 +116,8 @@ MK_DEVICE void ao_combine_group_pre(const MkParams& p, int nsplit, int g, float*
 // slot. Slot rank r (its place among the live slots) uses s_w[r * 2 * kGroup * S ..], S = cap / nlive
 // (the most splits a slot has at this occupancy), so all fit the single-slot scratch.
 MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live, int g, float* s_act, float* s_w) {
-  const int tid = threadIdx.x, cap = split_capacity(), nl = __popc(live), S = max(1, cap / nl);
+  // (nl = 0 while a resident launch idles through empty layers: no slot to combine)
+  const int tid = threadIdx.x, cap = split_capacity(), nl = __popc(live), S = max(1, cap / max(nl, 1));
   const long long per_slot = (long long)MK_NKV * cap * kGroup;  // partials of one slot
   for (int i = tid; i < nl * kGroup * S; i += MK_THREADS) {
     const int r = i / (kGroup * S), rem = i % (kGroup * S), h = rem / S, s = rem % S;

@@ -12,6 +12,9 @@
 #ifndef MK_RESIDENT
 #define MK_RESIDENT 0  // layout option resident (batch builds; flag emitted only when on)
 #endif
+#ifndef MK_NORM_ONCE
+#define MK_NORM_ONCE 0  // layout option norm_once (batch builds; flag emitted only when on)
+#endif
 #if MK_BATCH > 1 && MK_RESIDENT
 // Resident builds: requests join the running launch at a step boundary, so the host rewrites a free
 // slot's table row and stop ids while the kernel runs. Each block keeps its own copy in shared memory
@@ -141,7 +144,8 @@ MK_DEVICE int slot_pos(const MkParams& p, int b, int step) {
 // not null). Two passes over the (L2-resident) inputs with one block reduction for every slot, instead
 // of one reduction round trip per slot; the sums run in block_sum's order, so each slot's values equal
 // the B = 1 kernel's bit for bit. Scratch: s_red[kWarps * kB + kB] (layout.red_floats).
-template <class Load, class Dst>
+// kFrag (mma_mlp's gate/up input): bf16 in mma B-fragment order (frag_half) instead of act_store's layout.
+template <bool kFrag = false, class Load, class Dst>
 MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const float* w, float* s_act, float* s_red) {
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -149,6 +153,27 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
 #pragma unroll
   for (int k = 0; k < kIt; k++) { MK_NW_LOAD(k, threadIdx.x + k * MK_THREADS) }
   float ss[kB];
+#if MK_NORM_ONCE
+  // every live slot's inputs loaded once, all in flight together (one L2 round trip, not one per slot and
+  // pass: the timeline probe measured 7-8 us per B = 4 prologue against 1 us at B = 1)
+  float xv[kB][kIt];
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+#pragma unroll
+    for (int k = 0; k < kIt; k++) {
+      const int i = threadIdx.x + k * MK_THREADS;
+      xv[b][k] = i < MK_H && ((live >> b) & 1u) ? load(b, i) : 0.f;
+    }
+#pragma unroll
+  for (int b = 0; b < kB; b++) {
+    ss[b] = 0.f;
+#pragma unroll
+    for (int k = 0; k < kIt; k++) ss[b] += xv[b][k] * xv[b][k];
+  }
+#pragma unroll
+  for (int b = 0; b < kB; b++) ss[b] = warp_sum(ss[b]);
+#define MK_NORM_X(b, k, i) xv[b][k]
+#else
 #pragma unroll
   for (int b = 0; b < kB; b++) {
     ss[b] = 0.f;
@@ -161,6 +186,8 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
     }
     ss[b] = warp_sum(ss[b]);
   }
+#define MK_NORM_X(b, k, i) (i < MK_H ? load(b, i) : 0.f)
+#endif
   __syncthreads();  // s_red may still be read by the previous reduction
   if (lane == 0)
 #pragma unroll
@@ -181,13 +208,16 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
     for (int k = 0; k < kIt; k++) {
       const int i = threadIdx.x + k * MK_THREADS;
       if (i < MK_HP) {
-        const float x = i < MK_H ? load(b, i) : 0.f;
+        const float x = MK_NORM_X(b, k, i);
         if (i < MK_H && dst && blockIdx.x == 0) dst[i] = x;
-        act_store(s_act, b, i, i < MK_H ? x * r * MK_NW(k, i) : 0.f);
+        const float v = i < MK_H ? x * r * MK_NW(k, i) : 0.f;
+        if constexpr (kFrag) reinterpret_cast<uint16_t*>(s_act)[frag_half(b, i)] = f32_to_bf16(v);
+        else act_store(s_act, b, i, v);
       }
     }
   }
   __syncthreads();
+#undef MK_NORM_X
 }
 static_assert(kB <= kWarps, "one warp per slot totals the batch prologue");
 #endif

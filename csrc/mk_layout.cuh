@@ -18,6 +18,15 @@
 #ifndef MK_MMA
 #define MK_MMA 0  // QKV, O, gate/up, LM head on tensor cores (layout option mma, layout_mma.py; flags only when on)
 #endif
+#ifndef MK_MMA_MLP
+#define MK_MMA_MLP 0  // batch builds: gate/up and the fused down on tensor cores (layout_mma_mlp.py; flags only when on)
+#endif
+#ifndef MK_MMA_QKV
+#define MK_MMA_QKV 0  // batch builds: QKV on tensor cores, block-tiled (layout option mma_qkv; flags only when on)
+#endif
+#ifndef MK_MMA_LM
+#define MK_MMA_LM 0  // batch builds: the LM head on tensor cores (layout option mma_lm, layout_mma.py tiles; flags only when on)
+#endif
 #ifndef MK_GU_IL
 #define MK_GU_IL 0  // gate/up chunks interleaved per row (layout option gu_il; flag only when on)
 #endif
@@ -74,12 +83,34 @@ static_assert(kQKVRows % 16 == 0 && MK_H % 16 == 0 && MK_I % 16 == 0 && MK_VT % 
 constexpr long long kSUnitsLM = MK_VT / 16;
 #else
 constexpr int kRowsPerUnit = 1;
+#if MK_MMA_LM
+constexpr long long kSUnitsLM = MK_VT / 16;
+#else
 constexpr long long kSUnitsLM = kUnitsLM;
+#endif
+#endif
+constexpr int kLmTile = (MK_MMA || MK_MMA_LM) ? 16 : 1;  // LM-head rows per unit
+#if MK_MMA_LM
+static_assert(MK_BATCH > 1 && !MK_MMA && MK_TP == 1 && MK_VT == MK_V && MK_V % 16 == 0, "mma_lm (layout_mma.mma_lm_error)");
 #endif
 constexpr long long kSUnitsQKV = kUnitsQKV / kRowsPerUnit;
 constexpr long long kSUnitsO = kUnitsO / kRowsPerUnit;
 constexpr long long kSUnitsGU = kUnitsGU / kRowsPerUnit;
 constexpr long long kSUnitsDN = kUnitsDN;  // the fused down stays on CUDA cores (mk_fused.cuh)
+// Gate/up rows per block-slice unit (gu_row0): tiles of 16 with mma or mma_mlp, else rows.
+constexpr int kGuTile = (MK_MMA || MK_MMA_MLP) ? 16 : 1;
+constexpr long long kGuUnits = kUnitsGU / kGuTile;
+#if MK_MMA_QKV
+constexpr int kQkvTiles = kQKVRows / 16 * MK_S_QKV;  // units: (16-row tile, k-split part), layout_mma.pack_rows
+constexpr int kQkvSteps = MK_HP / 16 / MK_S_QKV;     // 16-k steps of a unit
+static_assert(MK_BATCH > 1 && !MK_MMA && !MK_QKV_FLAGS && kQKVRows % 16 == 0 && (MK_HP / 16) % MK_S_QKV == 0,
+              "mma_qkv: batch builds, rows in whole tiles, the QKV barrier (layout_mma_mlp.mma_qkv_error)");
+#endif
+#if MK_MMA_MLP
+constexpr int kKS = MK_HP / 16;  // 16-k steps of a gate/up tile
+static_assert(MK_BATCH > 1 && MK_FUSED_MLP && !MK_MMA && !MK_GU_IL && MK_H % 16 == 0 && MK_I % 16 == 0,
+              "mma_mlp: batch builds of the fused layout, rows in whole tiles (layout_mma_mlp.mma_mlp_error)");
+#endif
 
 // Per-layer element strides of the packed matrices.
 constexpr long long kStrideQKV = (long long)kQKVRows * MK_HP;
@@ -94,8 +125,8 @@ constexpr long long kStrideDN = (long long)MK_H * MK_IP;
 
 static_assert(MK_THREADS % 32 == 0 && MK_THREADS <= 1024, "block size");
 static_assert(MK_HP % kChunk == 0 && MK_QP % kChunk == 0 && MK_IP % kChunk == 0, "padding");
-// (mma: a unit of 16 rows x kLenQKV is kLenQKV / 16 whole chunks)
-static_assert(kLenQKV % (MK_MMA ? 16 : kChunk) == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
+// (mma, mma_qkv: a unit of 16 rows x kLenQKV is kLenQKV / 16 whole chunks)
+static_assert(kLenQKV % ((MK_MMA || MK_MMA_QKV) ? 16 : kChunk) == 0 && kLenO % kChunk == 0 && kLenDN % kChunk == 0, "k-split");
 static_assert(MK_D % 32 == 0 && MK_D <= 256, "head_dim must be a multiple of 32, at most 256");
 static_assert(MK_NH % MK_NKV == 0, "GQA grouping");
 static_assert(MK_RING >= 2 && MK_RING <= 32, "weight ring depth");

@@ -14,7 +14,7 @@ MK_DEVICE void mat_info(const MkParams& p, int mat, int layer, const uint16_t*& 
     case MAT_O: base = p.w_o + layer * kStrideO; units = kSUnitsO; len = kLenO * kRowsPerUnit; break;
     case MAT_GU: base = p.w_gu + layer * kStrideGU; units = kSUnitsGU; len = kLenGU * kRowsPerUnit; break;
     case MAT_DN: base = p.w_dn + layer * kStrideDN; units = kSUnitsDN; len = kLenDN; break;
-    default: base = p.w_lm; units = kSUnitsLM; len = kLenLM * kRowsPerUnit; break;
+    default: base = p.w_lm; units = kSUnitsLM; len = kLenLM * kLmTile; break;
   }
 }
 
@@ -60,15 +60,43 @@ MK_DEVICE void mat_range(int mat, long long units, int gw, int nw, long long& u0
 
 // First gate/up row of block b: its warps' contiguous share of the gate/up units starts there
 // (replicas/layout_fused.py block_rows).
+// (mma and mma_mlp: whole 16-row tiles, replicas/layout_fused.py gu_tile)
 template <class Int>  // (int or blockIdx.x's unsigned: the caller's type, so default builds compile as before)
 MK_DEVICE long long gu_row0(Int b) {
 #if MK_DIV32
-  static_assert(kSUnitsGU < (1LL << 20), "32-bit gate/up row split");
-  return (long long)((unsigned)kSUnitsGU * (unsigned)b / gridDim.x) * kRowsPerUnit;
+  static_assert(kGuUnits < (1LL << 20), "32-bit gate/up row split");
+  return (long long)((unsigned)kGuUnits * (unsigned)b / gridDim.x) * kGuTile;
 #else
-  return kSUnitsGU * b / gridDim.x * kRowsPerUnit;
+  return kGuUnits * b / gridDim.x * kGuTile;
 #endif
 }
+
+#if MK_MMA_MLP || MK_MMA_QKV
+// Block-tiled tensor-core matvecs (mk_block_mma.cuh; replicas/layout_mma_mlp.py tile_share): block b owns the
+// units [U b / nb, U (b + 1) / nb) of a matrix of U units (16-row tiles, or k-split parts of tiles), `steps` 16-k
+// steps each; warp w of the block takes the (unit, step) pairs [q0, q1) of the block's, counted from its first
+// unit v0 (a k-split within the block: the units' partial sums meet in shared memory).
+struct TileShare { int v0, q0, q1; };
+MK_DEVICE TileShare tile_share(int gw, int units, int steps) {
+  const int b = gw / kStreamWarps, w = gw % kStreamWarps;
+  const int v0 = (int)((unsigned)units * (unsigned)b / gridDim.x);
+  const int n = ((int)((unsigned)units * (unsigned)(b + 1) / gridDim.x) - v0) * steps;
+  return {v0, n * w / kStreamWarps, n * (w + 1) / kStreamWarps};
+}
+#endif
+#if MK_MMA_MLP
+// mma_mlp's gate/up: the units are the block's gate/up tiles (gu_row0 / 16), a step one gate and one up chunk.
+MK_DEVICE TileShare gu_share(int gw) { return tile_share(gw, (int)(MK_I / 16), kKS); }
+// The down of block b (layout_mma_mlp.dn_share): its h rows [js, js + 16 nt) are nt k-steps; warp w owns the
+// output tiles [o0, o1) (16 hidden rows each) over all of them, stored (tile, k-step) in A-fragment order
+// from element js * H of the layer's packed down.
+struct DnShare { int js, nt, o0, o1; };
+MK_DEVICE DnShare dn_share(int gw) {
+  const int b = gw / kStreamWarps, w = gw % kStreamWarps;
+  const int js = (int)gu_row0(b);
+  return {js, ((int)gu_row0(b + 1) - js) / 16, (MK_H / 16) * w / kStreamWarps, (MK_H / 16) * (w + 1) / kStreamWarps};
+}
+#endif
 
 #if MK_FUSED_MLP
 // This warp's run of the fused down (mirror of replicas/layout_fused.py:warp_down_share): rows
@@ -102,7 +130,29 @@ struct WeightStream {
       if (mat == MAT_LM) { mat = MAT_QKV; layer = 0; }
       else if (mat == MAT_DN) { if (++layer == MK_L) mat = MAT_LM; else mat = MAT_QKV; }
       else mat++;
-#if MK_FUSED_MLP
+#if MK_MMA_QKV
+      if (mat == MAT_QKV) {
+        const TileShare s = tile_share(gw, kQkvTiles, kQkvSteps);
+        if (s.q1 > s.q0) { ptr = p.w_qkv + layer * kStrideQKV + ((long long)s.v0 * kQkvSteps + s.q0) * kChunk; left = s.q1 - s.q0; return; }
+        continue;
+      }
+#endif
+#if MK_MMA_MLP
+      if (mat == MAT_GU) {
+        const TileShare s = gu_share(gw);
+        if (s.q1 > s.q0) { ptr = p.w_gu + layer * kStrideGU + ((long long)s.v0 * kKS + s.q0) * 2 * kChunk; left = 2LL * (s.q1 - s.q0); return; }
+        continue;
+      }
+      if (mat == MAT_DN) {
+        const DnShare s = dn_share(gw);
+        if (s.o1 > s.o0 && s.nt > 0) {
+          ptr = p.w_dn + layer * kStrideDN + (long long)s.js * MK_H + (long long)s.o0 * s.nt * kChunk;
+          left = (long long)(s.o1 - s.o0) * s.nt;
+          return;
+        }
+        continue;
+      }
+#elif MK_FUSED_MLP
       if (mat == MAT_DN) {
         const DownShare s = down_share(gw);
         if (s.n > 0) { ptr = p.w_dn + layer * kStrideDN + s.off; left = (long long)s.n * MK_FX_M; return; }
@@ -160,6 +210,14 @@ struct WeightStream {
   }
 };
 
+// The uint16 index of slot b's element i in mma.m16n8k16 B-fragment order: per 16-element chunk c, lane
+// 4b + t holds k = 2t, 2t+1 in its first 32-bit word and 2t+8, 2t+9 in its second (replicas/layout_mma.py
+// act_word), so one 8-byte load per lane, uint2 index c * 4 * kB + lane, is every slot's fragment.
+MK_DEVICE int frag_half(int b, int i) {
+  const int c = i >> 4, r = i & 15;
+  return ((c * 4 * kB + b * 4 + ((r & 7) >> 1)) * 2 + (r >> 3)) * 2 + (r & 1);
+}
+
 // Matvec input element i of slot b into shared memory, where run_phase reads it: fp32 at xpos(i) of
 // the slot's vector, or (MK_MMA) bf16 in mma.m16n8k16 B-fragment order: per 16-element chunk c, lane
 // 4b + t of the warp holds k = 2t, 2t+1 in its first 32-bit word and 2t+8, 2t+9 in its second
@@ -167,10 +225,7 @@ struct WeightStream {
 // `base` (a multiple of 256: a kv group's first element of the O input) + i is the element.
 MK_DEVICE void act_store(float* s_act, int b, int i, float v, int base = 0) {
 #if MK_MMA
-  i += base;
-  const int c = i >> 4, r = i & 15;
-  const int word = (c * 4 * kB + b * 4 + ((r & 7) >> 1)) * 2 + (r >> 3);
-  reinterpret_cast<uint16_t*>(s_act)[word * 2 + (r & 1)] = f32_to_bf16(v);
+  reinterpret_cast<uint16_t*>(s_act)[frag_half(b, i + base)] = f32_to_bf16(v);
 #elif MK_ACT_BF16
   // batch builds with act_bf16: bf16 in element order from the slot vector's start (a lane's 8 inputs of a
   // chunk are then one 16-byte word, and a warp's loads of a chunk 512 contiguous bytes)
@@ -186,7 +241,7 @@ MK_DEVICE void act_store(float* s_act, int b, int i, float v, int base = 0) {
 // `live`: the slots to compute (batch builds skip finished ones; their sums are then left at 0).
 MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 1u); }
 
-#if MK_MMA
+#if MK_MMA || MK_MMA_MLP || MK_MMA_LM || MK_MMA_QKV
 // d += a (16 x 16 weights, A fragment) * b (16 k x 8 slots, B fragment), fp32 accumulators.
 MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
 #ifdef MK_EMU
@@ -197,7 +252,9 @@ MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
                : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
 #endif
 }
+#endif
 
+#if MK_MMA || MK_MMA_LM
 // Lane r < 16 collects row r of a 16 x 8 accumulator tile for every slot: row r's values sit in lanes
 // 4(r & 7) + b/2 (c0/c1 for rows 0..7, c2/c3 for rows 8..15; even slots in c0/c2).
 MK_DEVICE void tile_row(const float (&d)[4], int lane, float* out) {
@@ -215,8 +272,8 @@ MK_DEVICE void tile_row(const float (&d)[4], int lane, float* out) {
 // input fragment, one mma. Then lanes 0..15 hand row r's sums to `epi` with the row-unit index the
 // CUDA-core phase would use (QKV: row * S + split; O: group * H + row), so the epilogues are shared.
 template <int MAT, class Epi>
-MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
-                         unsigned live = 1u) {
+MK_DEVICE void run_phase_mma(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
+                             unsigned live = 1u) {
   (void)live;  // every slot column is computed; the epilogues skip finished slots
   if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
@@ -258,10 +315,23 @@ MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const f
     if (st.lane < 16 && (MAT != MAT_LM || row < MK_V)) epi(MAT == MAT_QKV ? row * kSplit + v % kSplit : row, acc0, acc1);
   }
 }
+#endif
+#if MK_MMA
+template <int MAT, class Epi>
+MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
+                         unsigned live = 1u) {
+  run_phase_mma<MAT>(st, p, layer, s_act, epi, live);
+}
 #else
 template <int MAT, class Epi>
 MK_DEVICE void run_phase(WeightStream& st, const MkParams& p, int layer, const float* s_act, Epi epi,
                          unsigned live = 1u) {
+#if MK_MMA_LM
+  if constexpr (MAT == MAT_LM) {  // (mma_lm: the LM head's input is in B-fragment order, its units tiles)
+    run_phase_mma<MAT>(st, p, layer, s_act, epi, live);
+    return;
+  }
+#endif
   if (st.gw < 0) return;
   const uint16_t* base; long long units, u0, u1; int len;
   mat_info(p, MAT, layer, base, units, len);

@@ -25,6 +25,8 @@
 #include "mk_batch.cuh"
 #if MK_FUSED_MLP
 #include "mk_fused.cuh"
+#include "mk_block_mma.cuh"
+#include "mk_mlp_mma.cuh"
 #endif
 #if MK_ATTN_O
 #include "mk_attn_o.cuh"
@@ -149,12 +151,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     MK_TL_AT(tl_lm, 0);
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
 #if MK_RESIDENT
-    residual_norm_slots(live, [&](int b, int i) {
+    residual_norm_slots<MK_MMA_LM>(live, [&](int b, int i) {
         return ((joined >> b) & 1u) ? __ldcg(p.admit_x + (long long)b * MK_HP + i) : fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
       [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
 #elif MK_BATCH > 1
-    residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
-                        [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
+    residual_norm_slots<MK_MMA_LM>(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
+                                   [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
 #elif MK_FUSED_MLP
     residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), nullptr, p.lnf, s_act, s_red);
 #else
@@ -186,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
         }
       }, live);
-#if MK_MMA
+#if MK_MMA || MK_MMA_LM
       // lanes 0..15 each took one row of every tile: merge them (ties: the lowest id, as one lane would)
 #pragma unroll
       for (int b = 0; b < kB; b++) warp_argmax(best[b], best_i[b]);
@@ -277,8 +279,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     // ---- the layers, on each live slot's token at its position ----
     // layer 0's input: the tokens' embeddings
 #if MK_BATCH > 1
-    residual_norm_slots(live, [&](int b, int i) { return bf16_to_f32(p.embed[(long long)tok[b] * MK_H + i]); },
-                        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1, s_act, s_red);
+    residual_norm_slots<MK_MMA_QKV>(live, [&](int b, int i) { return bf16_to_f32(p.embed[(long long)tok[b] * MK_H + i]); },
+                                    [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1, s_act, s_red);
 #else
     residual_norm<0>(nullptr, p.embed + (long long)tok[0] * MK_H, nullptr, nullptr, slot_x(p, xi ^ 1, 0), p.ln1,
                      s_act, s_red);
@@ -293,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       // QKV: x = x + down partials; RMSNorm (layer 0: done above).
       if (layer > 0) {
 #if MK_BATCH > 1
-        residual_norm_slots(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
-                            [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1 + layer * MK_H, s_act, s_red);
+        residual_norm_slots<MK_MMA_QKV>(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
+                                        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1 + layer * MK_H, s_act, s_red);
 #elif MK_FUSED_MLP
         residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), slot_x(p, xi ^ 1, 0), p.ln1 + layer * MK_H, s_act, s_red);
 #else
@@ -306,10 +308,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_TL_AT(tl, 1);
       l2_prefetch<MAT_GU>(st, p, layer, MK_PF_GU);
       l2_prefetch<MAT_DN>(st, p, layer, MK_PF_DN);
+#if MK_MMA_QKV
+      qkv_mma(st, p, s_act, live);
+#else
       run_phase<MAT_QKV>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) {
 #pragma unroll
         for (int b = 0; b < kB; b++) if ((live >> b) & 1u) slot_qkv(p, b)[u] = acc[b];
       }, live);
+#endif
 #if MK_ATTN_O
       ao_zero(p);  // the O accumulators: read before the MLP's barrier, next added to after QKV's
 #endif
@@ -356,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #endif
 
 #if MK_BATCH > 1
-      residual_norm_slots(live, [&](int b, int i) {
+      residual_norm_slots<MK_MMA_MLP>(live, [&](int b, int i) {
           return ao_load(p, slot_x(p, xi, b), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr, b, i); },
         [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln2 + layer * MK_H, s_act, s_red);
 #elif MK_ATTN_O
@@ -370,6 +376,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       MK_TL_AT(tl, 11);
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between
+#if MK_MMA_MLP
+        fused_mlp_mma(st, p, s_act, fx_turn, live MK_TL_ARG(tl));
+#else
         const long long js = gu_row0(blockIdx.x);  // the block's first gate/up row
         run_phase<MAT_GU>(st, p, layer, s_act, [&](long long u, const float* g, const float* up) {
 #pragma unroll
@@ -377,6 +386,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
             if (slot_on(live, b)) s_act[kFxH + b * kFxSlice + (int)(u - js)] = g[b] / (1.f + __expf(-g[b])) * up[b];
         }, live);
         fused_down(st, p, s_act, fx_turn, live MK_TL_ARG(tl));
+#endif
         fx_turn++;
       }
       if (layer == MK_L - 1 && p.host_kctl != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {

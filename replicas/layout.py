@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from replicas import layout_attn_o, layout_fused, layout_mma, layout_options
+from replicas import layout_attn_o, layout_fused, layout_mma, layout_mma_mlp, layout_options
 from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter block and control words)
     PARAM_FIELDS,
     TP_PARAM_FIELDS,
@@ -146,6 +146,10 @@ class KernelLayout:
     dn_passes: int = 1  # fused_mlp, B=1: the block's down rows in parts, each part's atomics issued when it is done
     resident: bool = False  # batch builds: requests join a running launch at a step boundary (mk_batch.cuh)
     act_bf16: bool = False  # batch builds: matvec inputs in shared memory as bf16 (half the per-slot input reads)
+    mma_mlp: bool = False  # batch builds: the fused MLP's gate/up and down on tensor cores (layout_mma_mlp.py)
+    norm_once: bool = False  # batch builds: the prologues load every slot's residual once, all loads in flight
+    mma_lm: bool = False  # batch builds: the LM head on tensor cores (layout_mma.py tiles, bf16 input)
+    mma_qkv: bool = False  # batch builds: QKV on tensor cores, block-tiled k-split (layout_mma_mlp.py)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -160,7 +164,8 @@ class KernelLayout:
                     mma: bool = False, param_value: bool = False, div32: bool = False,
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
                     dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
-                    resident: bool = False, act_bf16: bool = False) -> KernelLayout:
+                    resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
+                    norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -185,7 +190,8 @@ class KernelLayout:
                    param_value=bool(param_value), div32=bool(div32), gu_il=bool(gu_il),
                    o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
                    norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident),
-                   act_bf16=bool(act_bf16))
+                   act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
+                   norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -193,11 +199,14 @@ class KernelLayout:
         if max_ring and not 4 <= max_ring <= MAX_RING:
             raise LayoutError(f"max_ring={max_ring}: choose 0 (as many as fit) or 4..{MAX_RING} slots")
         if tp_error := (base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base)
-                        or layout_mma.mma_error(base) or layout_options.option_error(base)):
+                        or layout_mma.mma_error(base) or layout_mma.mma_lm_error(base)
+                        or layout_mma_mlp.mma_mlp_error(base) or layout_mma_mlp.mma_qkv_error(base)
+                        or layout_options.option_error(base)):
             raise LayoutError(tp_error)
         warps = base.total_warps
         splits = {
             "qkv": layout_mma.choose_split_tiles(base.qkv_rows // layout_mma.TILE, base.hp, warps) if base.mma
+            else layout_mma_mlp.qkv_split(base.qkv_rows, base.hp, base.num_sms) if base.mma_qkv
             else choose_split(base.qkv_rows, base.hp, warps),
             "o": 1 if base.fused_attn_o else choose_split(base.hidden, base.qp, warps),
             "dn": choose_split(base.hidden, base.ip, warps),
@@ -264,7 +273,11 @@ class KernelLayout:
         if self.batch > 1:  # per-slot matvec inputs side by side, then the fused MLP's h slices (mk_batch.cuh)
             vectors = self.batch * self.act_vec // (2 if self.mma else 1)  # mma: bf16 inputs (kVecFloats)
             fx_h = max(layout_fused.part_floats(self), vectors)
-            return max(fx_h + self.batch * layout_fused.slice_floats(self), vectors + 2 * self.group * MAX_ATTN_SPLITS,
+            # mma_mlp: the h slices are bf16 (half); then the block-tiled matvecs' pieces (csrc/mk_block_mma.cuh)
+            h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp else 1)
+            pieces = layout_mma_mlp.piece_floats(self) if self.mma_mlp or self.mma_qkv else 0
+            return max(fx_h + h + pieces,
+                       vectors + 2 * self.group * MAX_ATTN_SPLITS,
                        self.attn_floats)
         return max(self.hp, self.qp, h_stage, self.attn_floats, combine, fused, attn_o)
 
@@ -315,7 +328,7 @@ class KernelLayout:
             else (L, self.hidden, self.qp),
             "w_gu": (L, self.inter, 2, self.hp),
             "w_dn": (L, self.inter * self.hp) if self.fused_mlp else (L, self.hidden, self.ip),
-            "w_lm": (layout_mma.vocab_rows(self) if self.mma else self.vocab, self.hp),
+            "w_lm": (layout_mma.vocab_rows(self) if self.mma or self.mma_lm else self.vocab, self.hp),
         }
 
     def l2_prefetch_per_warp(self) -> tuple[int, int]:
@@ -401,8 +414,18 @@ class KernelLayout:
                 defs.update({"MK_RESIDENT": 1, "MK_RED_FLOATS": self.red_floats})
             if self.act_bf16:
                 defs["MK_ACT_BF16"] = 1
+            if self.norm_once:
+                defs["MK_NORM_ONCE"] = 1
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
+        if self.mma_mlp or self.mma_qkv:
+            defs["MK_MMLP_PIECES"] = layout_mma_mlp.pieces(self)
+        if self.mma_mlp:
+            defs["MK_MMA_MLP"] = 1
+        if self.mma_qkv:
+            defs["MK_MMA_QKV"] = 1
+        if self.mma_lm:
+            defs.update({"MK_MMA_LM": 1, "MK_VT": layout_mma.vocab_rows(self)})
         if self.param_value:
             defs["MK_PARAM_VALUE"] = 1
         if self.div32:

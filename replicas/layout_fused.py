@@ -31,8 +31,8 @@ def block_rows(inter: int, num_sms: int, b: int, tile: int = 1) -> tuple[int, in
 
 
 def gu_tile(lay) -> int:
-    """Gate/up rows per unit: 16 with layout option mma (layout_mma.TILE), else 1."""
-    return 16 if lay.mma else 1
+    """Gate/up rows per block-slice unit: 16 with layout option mma or mma_mlp (whole tiles), else 1."""
+    return 16 if lay.mma or lay.mma_mlp else 1
 
 
 def down_geometry(hp: int, warps: int) -> tuple[int, int, int] | None:

@@ -45,6 +45,18 @@ def mma_error(lay) -> str | None:
     return None
 
 
+def mma_lm_error(lay) -> str | None:
+    """Layout option mma_lm (batch builds): only the LM head in this module's tiles, its input in B-fragment order."""
+    if not lay.mma_lm:
+        return None
+    if lay.batch < 2 or lay.mma or lay.tp != 1:
+        return ("mma_lm puts a batch build's LM head on tensor cores: it needs batch >= 2 and tp=1, and not mma "
+                "(which has it already)")
+    if lay.vocab % TILE:
+        return f"mma_lm tiles the vocabulary by {TILE} and the single-sequence build shares its shape: vocab={lay.vocab}"
+    return None
+
+
 def vocab_rows(lay) -> int:
     """Rows of the packed LM head: the vocabulary padded to whole tiles (MK_VT)."""
     return -(-lay.vocab // TILE) * TILE

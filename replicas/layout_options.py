@@ -23,6 +23,8 @@ def option_error(lay) -> str | None:
     if lay.act_bf16 and (lay.batch == 1 or lay.mma):
         return ("act_bf16 stores a batch build's matvec inputs as bf16 (the single-sequence build keeps fp32); it "
                 "needs batch > 1 and not mma, whose inputs are bf16 already")
+    if lay.norm_once and lay.batch == 1:
+        return "norm_once changes the batch prologue (every slot's residual loaded once): it needs batch > 1"
     if lay.resident and lay.batch == 1:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
     if lay.dn_passes != 1:

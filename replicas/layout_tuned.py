@@ -48,3 +48,22 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
     if not (out.get("fused_attn_o") or out.get("fused_mlp")) and "zero_spread" not in overrides:
         out.pop("zero_spread", None)
     return out
+
+
+# Batch builds (2026-12-01, H200, llama-3.2-1b B = 4 at 4 requests, same greedy tokens; bench/RESULTS.md session 10):
+# ao_slots +8.0% (session 6); the tensor-core set below +29.6% per request over gu_il + ao_slots (596.6 -> 773.2
+# tok/s): norm_once +4.0% alone, + mma_mlp +17.2%, + mma_lm +29.6%. gu_il (+12.7% in session 5) orders gate/up
+# for the CUDA-core MLP: a caller who asks for it, or for mma (every matvec on tensor cores), gets the old set.
+TUNED_BATCH = {"ao_slots": True, "mma_mlp": True, "mma_lm": True, "norm_once": True}
+TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
+
+
+def batch_options(config: ModelConfig, given: dict | None = None) -> dict:
+    """The layout options a batched engine adds to the caller's `given` (explicit choices win): the tensor-core
+    set where the model's shapes allow it (rows and vocabulary in whole 16-row tiles), else gu_il + ao_slots."""
+    given = dict(given or {})
+    if given.get("mma"):
+        return given
+    tiles = all(n % 16 == 0 for n in (config.hidden_size, config.intermediate_size, config.vocab_size))
+    cuda_cores = given.get("gu_il") or not tiles or given.get("mma_mlp") is False
+    return {**(TUNED_BATCH_CUDA_CORES if cuda_cores else TUNED_BATCH), **given}

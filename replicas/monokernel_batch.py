@@ -29,7 +29,7 @@ from replicas.monokernel_resident import PREFILL_SMS, Admissions
 from replicas.layout_fused import pack_down_fused
 
 
-BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16")  # layout options the single-sequence build does not take
+BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv")  # layout options the single-sequence build does not take
 
 
 @dataclass
@@ -89,15 +89,25 @@ def lone_slot_ptrs(m, b: int, stops, profile=None) -> dict[str, int]:
 
 def regrid_weights(xp, weights: Mapping[str, object], lay, single_lay, config: ModelConfig) -> Mapping[str, object]:
     """The packed weights for the single-sequence build `single_lay`: `weights` (packed for the batch
-    layout `lay`) where both grids are the same, else with the fused down packed again for its grid (its
-    block tiles follow the grid) from the prefill's plain down rows."""
-    if single_lay.num_sms == lay.num_sms or not single_lay.fused_mlp:
+    layout `lay`) where both pack the MLP alike, else with the fused down packed again for its grid (its
+    block tiles follow the grid) from the prefill's plain down rows; and with mma_mlp (a batch-only
+    option) the plain gate/up rows the prefill reads too (layout_mma_mlp.repack)."""
+    own_down = single_lay.fused_mlp and (single_lay.num_sms != lay.num_sms or lay.mma_mlp)
+    if not own_down and not (lay.mma_mlp or lay.mma_lm or lay.mma_qkv):
         return weights
-    dn = weights["w_dn_prefill"]  # [L][H][Ip] plain down rows
-    w_dn = xp.empty_like(weights["w_dn"])
-    for n in range(config.num_hidden_layers):
-        w_dn[n] = pack_down_fused(xp, single_lay, dn[n, :, :config.intermediate_size])
-    return {**weights, "w_dn": w_dn}
+    out = dict(weights)
+    if lay.mma_mlp:
+        out["w_gu"] = weights["w_gu_prefill"]
+    if lay.mma_lm:  # (and the LM head: mma_lm)
+        out["w_lm"] = weights["w_lm_prefill"]
+    if lay.mma_qkv:  # (and QKV: mma_qkv)
+        out["w_qkv"] = weights["w_qkv_prefill"]
+    if own_down:
+        dn = weights["w_dn_prefill"]  # [L][H][Ip] plain down rows
+        out["w_dn"] = xp.empty_like(weights["w_dn"])
+        for n in range(config.num_hidden_layers):
+            out["w_dn"][n] = pack_down_fused(xp, single_lay, dn[n, :, :config.intermediate_size])
+    return out
 
 
 def lone_slot_scalars(s: SlotSpec) -> dict:
@@ -135,11 +145,8 @@ class BatchGpuModel(GpuModel):
         SM (its fused down then needs its own packing: one more copy of the down weights)."""
         if not 2 <= int(batch) <= L.MAX_BATCH:
             raise ValueError(f"batch={batch}: a batch build decodes 2..{L.MAX_BATCH} slots (batch 1 is GpuModel)")
-        # Batch-build defaults measured on the H200 (llama-3.2-1b, 4 of 4 slots, same tokens): gu_il +12.7%
-        # per request with param_value + div32, then ao_slots +8.0%; mma orders gate/up its own way
-        # and was never measured with ao_slots.
-        tuned = {} if (layout_options or {}).get("mma") else {"gu_il": True, "ao_slots": True}
-        layout_options = {**tuned, **(layout_options or {})}
+        from replicas.layout_tuned import batch_options
+        layout_options = batch_options(config, layout_options)  # the measured batch defaults (layout_tuned.py)
         self.resident = bool(resident)
         cp = import_cupy()
         self.device_sms = device_sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from replicas import layout_mma
+from replicas import layout_mma, layout_mma_mlp
 from replicas.layout import CHUNK, KernelLayout
 from replicas.layout_attn_o import pack_o_by_group
 from replicas.layout_fused import pack_down_fused
@@ -105,8 +105,15 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     if lay.gu_il:  # gate and up chunks alternate within a row's unit (one input load serves both)
         out["w_gu_prefill"] = out["w_gu"]
         out["w_gu"] = interleave_gate_up(xp, out["w_gu"])
+    if lay.mma_mlp:  # the fused MLP's tensor-core tiles (layout_mma_mlp.py); plain copies for the prefill
+        layout_mma_mlp.repack(xp, lay, out)
+    if lay.mma_qkv:
+        layout_mma_mlp.repack_qkv(xp, lay, out)
     if lay.mma:  # the kernel's tensor-core tiles (layout_mma.py); the prefill keeps the plain rows
         _repack_mma(xp, lay, out, head)
+    elif lay.mma_lm:  # the LM head alone in tiles; the prefill and the single-sequence build read the plain rows
+        out["w_lm_prefill"] = _plain_lm(xp, lay, head)
+        out["w_lm"] = layout_mma.pack_lm(xp, lay, head).reshape(shapes["w_lm"])
     elif lay.hp == H:
         out["w_lm"] = xp.ascontiguousarray(head)  # tied + unpadded: the embedding is the LM head
     else:
@@ -133,12 +140,17 @@ def _repack_mma(xp, lay: KernelLayout, out: dict[str, Array], head: Array) -> No
         out["w_qkv"][n] = layout_mma.pack_rows(xp, qkv[n], lay.splits["qkv"]).reshape(qkv.shape[1:])
         out["w_gu"][n] = layout_mma.pack_gate_up(xp, gu[n, :, 0], gu[n, :, 1]).reshape(gu.shape[1:])
         out["w_o"][n] = layout_mma.pack_o_groups(xp, o[n]).reshape(o.shape[1:])
-    if lay.hp == head.shape[1]:
-        out["w_lm_prefill"] = head
-    else:
-        out["w_lm_prefill"] = xp.zeros((head.shape[0], lay.hp), xp.uint16)
-        out["w_lm_prefill"][:, :head.shape[1]] = head
+    out["w_lm_prefill"] = _plain_lm(xp, lay, head)
     out["w_lm"] = layout_mma.pack_lm(xp, lay, head).reshape(lay.packed_shapes()["w_lm"])
+
+
+def _plain_lm(xp, lay: KernelLayout, head: Array) -> Array:
+    """The LM head in plain padded rows [V, Hp] (the embedding itself when Hp == hidden)."""
+    if lay.hp == head.shape[1]:
+        return head
+    plain = xp.zeros((head.shape[0], lay.hp), xp.uint16)
+    plain[:, :head.shape[1]] = head
+    return plain
 
 
 def rope_tables(config: ModelConfig, max_ctx: int) -> tuple[np.ndarray, np.ndarray]:

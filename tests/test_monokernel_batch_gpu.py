@@ -24,16 +24,32 @@ SAME_MMA = 5e-3  # layout mma: that fp32 difference can flip the bf16 rounding o
 # up to 1.2e-3 at B = 8, tests/test_monokernel_emu_cpu.py)
 # layout act_bf16: the batch slots' matvec inputs are bf16, the single engine's fp32: as far apart as bf16
 # rounding puts them (CPU emulation, random weights: up to 1.7e-2), so the transformers tolerance
+# (mma_mlp too: its MLP inputs and h are bf16, the single engine's CUDA-core MLP keeps them fp32)
 BF16_INPUTS = TOL
 
 
 def slot_tolerance(layout) -> float:
-    return BF16_INPUTS if layout.act_bf16 else SAME_MMA if layout.mma else SAME
+    return BF16_INPUTS if layout.act_bf16 or layout.mma_mlp else SAME_MMA if layout.mma else SAME
 
 
 def bf16_inputs(layout) -> bool:
     """Whether a batch slot may part from the single engine at a near tie (bf16 matvec inputs somewhere)."""
-    return layout.mma or layout.act_bf16
+    return layout.mma or layout.act_bf16 or layout.mma_mlp or layout.mma_lm
+
+
+def assert_tokens(many, one, prompt, got, want):
+    """A slot's greedy tokens are the single engine's: exactly, or with bf16 matvec inputs in the batch build
+    up to where they part at a near tie of the single engine's logits (then the rest is not compared)."""
+    if not bf16_inputs(many.gpu.layout):
+        assert got == want
+        return
+    j = next((i for i in range(min(len(got), len(want))) if got[i] != want[i]), None)
+    if j is None:
+        assert len(got) == len(want)
+        return
+    row = one.forward_logits(prompt + want[:j])[-1]
+    gaps = [(row.max() - row[t]) / np.max(np.abs(row)) for t in (got[j], want[j])]
+    assert max(gaps) <= TOL, f"token {j}: {got[j]} vs {want[j]}, below the best logit by {gaps}"
 BATCH = 4
 
 
@@ -96,12 +112,7 @@ def test_concurrent_greedy_requests_equal_single_requests(engines):
     gens = [many.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p, n in zip(ps, lens)]
     outs = [list(g) for g in gens]
     for p, n, g, o in zip(ps, lens, gens, outs):
-        want = list(one.generate(p, SamplingParams(max_tokens=n, ignore_eos=True)))
-        if bf16_inputs(many.gpu.layout):  # (a bf16 rounding flip may part them at a near tie)
-            from tests.test_monokernel_sessions_gpu import assert_same_greedy
-            assert_same_greedy(one, p, o, want)
-        else:
-            assert o == want
+        assert_tokens(many, one, p, o, list(one.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))))
         assert len(o) == n and g.finish_reason is FinishReason.LENGTH
 
 
@@ -115,8 +126,19 @@ def test_seeded_sampling_per_slot_equals_single(engines):
               SamplingParams(max_tokens=30, ignore_eos=True),
               SamplingParams(max_tokens=30, seed=9, temperature=0.7, top_p=0.8, ignore_eos=True)]
     outs = [list(g) for g in [many.generate(p, q) for p, q in zip(ps, params)]]
-    for p, q, o in zip(ps, params, outs):
-        assert o == list(one.generate(p, q))
+    if not bf16_inputs(many.gpu.layout):
+        for p, q, o in zip(ps, params, outs):
+            assert o == list(one.generate(p, q))
+        return
+    # bf16 matvec inputs in the batch build only (mma_mlp, act_bf16): a near tie of the Gumbel keys may part a
+    # slot from the fp32 single engine, so: seeded slots repeat exactly, greedy and top-k tokens are the
+    # single engine's choices on the slot's own text (greedy: or a near tie; top-k: among its top 40)
+    again = [list(g) for g in [many.generate(p, q) for p, q in zip(ps, params)]]
+    assert again == outs
+    assert_tokens(many, one, ps[2], outs[2], list(one.generate(ps[2], params[2])))
+    rows = one.forward_logits(ps[1] + outs[1][:-1])[len(ps[1]) - 1:]
+    for row, t in zip(rows, outs[1]):
+        assert row[t] >= np.sort(row)[-40] - TOL * np.max(np.abs(row))
 
 
 def test_joins_resume_running_slots_exactly(engines):
@@ -136,12 +158,7 @@ def test_joins_resume_running_slots_exactly(engines):
     join_s = time.perf_counter() - t0
     outs = [h + list(g) for h, g in zip(heads, first)] + [[f] + list(g) for f, g in zip(late_first, late)]
     for p, o in zip(ps, outs):
-        want = list(one.generate(p, q))
-        if bf16_inputs(many.gpu.layout):  # (a bf16 rounding flip may part them at a near tie, as above)
-            from tests.test_monokernel_sessions_gpu import assert_same_greedy
-            assert_same_greedy(one, p, o, want)
-        else:
-            assert o == want
+        assert_tokens(many, one, p, o, list(one.generate(p, q)))
     assert many.launches - launches >= 2  # the joins really relaunched
     assert join_s < 5.0
 
@@ -162,11 +179,14 @@ def test_stop_cancel_and_busy_are_per_slot(engines):
     gens[1].cancel()
     rest = [list(g) for g in (gens[0], gens[2], gens[3])]
     list(gens[1])
-    assert gens[1].finish_reason is FinishReason.CANCELLED and got1 == ref[1][:3]
+    assert gens[1].finish_reason is FinishReason.CANCELLED
+    assert_tokens(many, one, ps[1], got1, ref[1][:3])
     if j:
-        assert rest[0] == ref[0][:j] and gens[0].finish_reason is FinishReason.STOP
-    assert rest[1] == ref[2] and rest[2] == ref[3]
-    assert list(many.generate(ps[1], q)) == ref[1]  # the cancelled slot is free and clean again
+        assert_tokens(many, one, ps[0], rest[0], ref[0][:j])
+        assert gens[0].finish_reason is FinishReason.STOP or rest[0] != ref[0][:j]  # (parted at a near tie)
+    assert_tokens(many, one, ps[2], rest[1], ref[2])
+    assert_tokens(many, one, ps[3], rest[2], ref[3])
+    assert_tokens(many, one, ps[1], list(many.generate(ps[1], q)), ref[1])  # the cancelled slot is free and clean
 
 
 def test_lone_slot_runs_the_single_build_and_switches_exactly(engines):
@@ -178,14 +198,16 @@ def test_lone_slot_runs_the_single_build_and_switches_exactly(engines):
     ps = prompts(one.config.vocab_size, 7, 2)
     long_q = SamplingParams(max_tokens=150, seed=21, temperature=1.1, top_k=50, ignore_eos=True)
     short_q = SamplingParams(max_tokens=30, seed=22, temperature=1.2, ignore_eos=True)
+    if bf16_inputs(many.gpu.layout):  # (sampled tokens may part at a near tie of Gumbel keys: compare greedy ones)
+        long_q, short_q = SamplingParams(max_tokens=150, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True)
     singles = many.single_launches
     gen = many.generate(ps[0], long_q)
     head = [next(gen) for _ in range(20)]
     assert many.single_launches == singles + 1  # alone: the single build
     other = list(many.generate(ps[1], short_q))  # joins: batch launch, then back to single
     out = head + list(gen)
-    assert out == list(one.generate(ps[0], long_q))
-    assert other == list(one.generate(ps[1], short_q))
+    assert_tokens(many, one, ps[0], out, list(one.generate(ps[0], long_q)))
+    assert_tokens(many, one, ps[1], other, list(one.generate(ps[1], short_q)))
     assert many.single_launches >= singles + 2
 
 
@@ -212,7 +234,7 @@ def test_a_sessions_turn_two_equals_a_fresh_request(engines):
     gen = many.generate(turn2, q, session_id="b2")
     out2 = list(gen)
     assert gen.reused_tokens == len(prompt) + len(out1) - 1  # the last output token was never fed back
-    assert head + list(background) == list(one.generate(other, long_q))
+    assert_tokens(many, one, other, head + list(background), list(one.generate(other, long_q)))
     after = many.session_stats()
     assert (after.hits - before.hits, after.misses - before.misses) == (1, 1)
     assert after.reused_tokens - before.reused_tokens == gen.reused_tokens

@@ -2,7 +2,8 @@
 (replicas/monokernel_emu_batch.py): joins (the running launch yields at a step boundary, the newcomer
 is prefilled, every slot resumes from its handed-over hidden state), a lone slot moving to the B = 1
 build and back, and an agent session's turn 2 restored into a slot. Every request must get exactly
-the tokens the single-sequence kernel of the same layout gives it alone (tiny, greedy; default and mma).
+the tokens the single-sequence kernel of the same layout gives it alone (tiny, greedy; default, mma, and the batched engine's
+default layout_tuned.TUNED_BATCH, whose single-sequence build keeps the CUDA-core MLP and LM head).
 A session's turn 2 must equal a fresh request exactly on the default layout, whose kernel K/V rows equal
 the prefill's bit for bit (tests/test_monokernel_emu_cpu.py); with mma they differ at bf16 level.
 """
@@ -15,13 +16,16 @@ import shutil
 import numpy as np
 import pytest
 
+from replicas.layout_tuned import TUNED_BATCH
+
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"),
                                 reason="the CPU emulation needs g++ on x86-64 (its fiber switch is x86-64 assembly)")
 
 
-@pytest.fixture(scope="module", params=[{}, {"mma": True}], ids=["default", "mma"])
+@pytest.fixture(scope="module", params=[{}, {"mma": True}, TUNED_BATCH], ids=["default", "mma", "tensor-core-batch"])
 def emu(request, tiny_checkpoint):
     from replicas.model import ModelConfig
+    from replicas.monokernel_batch import BATCH_ONLY_OPTIONS
     from replicas.monokernel_batched import BatchedMonokernelEngine
     from replicas.monokernel_emu import EmuModel
     from replicas.monokernel_emu_batch import EmuBatchGpu
@@ -32,13 +36,26 @@ def emu(request, tiny_checkpoint):
     tensors = load_weights(tiny_checkpoint, cfg, dtype="raw")
     gpu = EmuBatchGpu(cfg, tensors, 4, layout_options=request.param)
     eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np))
-    yield cfg, EmuModel(cfg, tensors, layout_options=request.param or None), gpu, eng
+    single = {k: v for k, v in request.param.items() if k not in BATCH_ONLY_OPTIONS}  # what the B = 1 build takes
+    yield cfg, EmuModel(cfg, tensors, layout_options=single or None), gpu, eng
     eng.close()
 
 
 def greedy(n):
     from replicas.engine import SamplingParams
     return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def same_greedy(gpu, one, prompt, got, want):
+    """Exactly the single kernel's tokens, or (batch layouts with bf16 matvec inputs the single build lacks:
+    layout_tuned.TUNED_BATCH) up to where they part at a near tie of its logits (2e-2 of the largest)."""
+    if got == want:
+        return True
+    if not (gpu.layout.mma_mlp or gpu.layout.mma_lm) or len(got) != len(want):
+        return False
+    j = next(i for i in range(len(got)) if got[i] != want[i])
+    row = one.forward_logits(prompt + want[:j])[-1]
+    return max(row.max() - row[t] for t in (got[j], want[j])) <= 2e-2 * np.max(np.abs(row))
 
 
 def test_joins_and_single_build_handovers_keep_every_request_exact(emu):
@@ -50,8 +67,8 @@ def test_joins_and_single_build_handovers_keep_every_request_exact(emu):
     head = [next(long_g) for _ in range(4)]  # decoding alone: the single-sequence build
     short_out = list(eng.generate(short_p, greedy(6)))  # joins: batch launch, then the long one is alone again
     long_out = head + list(long_g)
-    assert long_out == one.generate_greedy(long_p, 56)
-    assert short_out == one.generate_greedy(short_p, 6)
+    assert same_greedy(gpu, one, long_p, long_out, one.generate_greedy(long_p, 56))
+    assert same_greedy(gpu, one, short_p, short_out, one.generate_greedy(short_p, 6))
     assert gpu.launches - launches >= 3 and eng.single_launches - singles >= 2  # single -> batch -> single
 
 
@@ -68,8 +85,8 @@ def test_a_sessions_second_turn_restores_its_kv_and_equals_a_fresh_request(emu):
     out2 = list(g2)
     list(other)
     assert g1.reused_tokens == 0 and g2.reused_tokens == len(prompt) + len(out1) - 1
-    assert out1 == one.generate_greedy(prompt, 8)
-    if not gpu.layout.mma:  # (mma: the kernel's K/V rows carry its bf16 inputs, a fresh prefill's do not)
+    assert same_greedy(gpu, one, prompt, out1, one.generate_greedy(prompt, 8))
+    if not (gpu.layout.mma or gpu.layout.mma_mlp or gpu.layout.mma_lm):  # (the kernel's K/V rows carry its bf16 inputs, a fresh prefill's not)
         assert out2 == one.generate_greedy(turn2, 8)
     else:
         assert len(out2) == 8
@@ -115,5 +132,5 @@ def test_sampling_stop_and_cancel_in_the_kernel(emu, tiny_checkpoint):
     long_g.cancel()
     rest = list(long_g)
     assert long_g.finish_reason is FinishReason.CANCELLED and len(got) + len(rest) < 200
-    assert got + rest == one.generate_greedy(prompt, len(got) + len(rest))
-    assert list(other) == one.generate_greedy(other_p, 20)
+    assert same_greedy(gpu, one, prompt, got + rest, one.generate_greedy(prompt, len(got) + len(rest)))
+    assert same_greedy(gpu, one, other_p, list(other), one.generate_greedy(other_p, 20))

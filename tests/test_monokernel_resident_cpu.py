@@ -82,12 +82,15 @@ def tiny(tiny_checkpoint):
     return cfg, tensors, EmuModel(cfg, tensors)
 
 
-@pytest.fixture(scope="module")
-def resident_gpu(tiny):
+@pytest.fixture(scope="module", params=["plain", "tensor-cores"])
+def resident_gpu(request, tiny):
+    """The resident B = 4 build, plain, and with the batched engine's defaults (layout_tuned.TUNED_BATCH: the MLP
+    and the LM head on tensor cores, whose joined slots' LM input comes from the handed-over hidden state)."""
+    from replicas.layout_tuned import TUNED_BATCH
     from replicas.monokernel_emu_batch import EmuBatchGpu
 
     cfg, tensors, _ = tiny
-    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True)
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options=TUNED_BATCH if request.param != "plain" else None)
     assert (gpu.layout.num_sms, gpu.single_layout.num_sms) == (3, 4)  # two grids: two fused-down packings
     return gpu
 

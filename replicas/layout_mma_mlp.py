@@ -1,0 +1,229 @@
+"""Layout option `mma_mlp` (batch builds): the fused MLP's gate/up and down on tensor cores.
+
+Why: on CUDA cores each extra slot of a batch build pays its own FMAs and shared-memory input reads for
+every weight; at B = 4 that cost ~350 µs a step per slot on llama-3.2-1b, and the fused down alone was
+31% of what B = 4 adds to the profile (csrc/NOTES.md "Batch speed"). One `mma.m16n8k16` multiplies a
+16 x 16 weight tile by all 8 slot columns at once. The MLP is 83% of a layer's weights, so it goes first.
+Layout option `mma` (all matvecs, 16-row tiles over the whole k range) lost 29% at B = 1 to its work split:
+gate/up had 512 tiles for 2,112 warps. Here the split stays as fine as the CUDA-core one:
+
+  gate/up  block b owns whole tiles [t0, t1) (layout_fused.block_rows with 16-row units); their
+           (tile, 16-k step) pairs, a gate and an up chunk each (layout_mma.pack_gate_up's order), are cut
+           into equal contiguous ranges, one per warp (`gu_share`): a k-split within the block. Each
+           warp stores a partial tile ("piece" w + t) per tile it touched; the block adds a tile's pieces
+           in warp order, then h = SiLU(gate)·up, rounded to bf16, in mma B-fragment order.
+  down     block b's columns of down (its h rows [js, je)) as A tiles of 16 hidden rows x 16 h rows,
+           (output tile, k-step) order from element js·H of the layer (`pack_down`); warp w owns output
+           tiles [o0, o1) over every k-step (`dn_share`) and adds each tile's int64 fixed-point sums to
+           the accumulator straight from its registers (no partials pass, no barrier per slot).
+
+The single-sequence build keeps the CUDA-core MLP (mma_mlp is a batch-only option), so the batched
+engine gives it its own plain gate/up and fused-down packing (monokernel_batch.regrid_weights).
+Numerics: the gate/up input and h are bf16 (the CUDA-core path keeps them fp32): logits differ from the
+B = 1 kernel at bf16-rounding level, checked within the transformers tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from replicas import layout_fused, layout_mma
+
+TILE = layout_mma.TILE
+
+
+def mma_mlp_error(lay) -> str | None:
+    if not lay.mma_mlp:
+        return None
+    if lay.batch < 2:
+        return "mma_mlp is a batch-build option (batch >= 2): the single-sequence build keeps the CUDA-core MLP"
+    if lay.mma or lay.gu_il:
+        return "mma_mlp orders gate/up its own way: drop mma and gu_il (mma already puts the whole MLP's gate/up on tensor cores)"
+    if lay.tp != 1 or not lay.fused_mlp:
+        return "mma_mlp changes the fused MLP of one GPU: it needs fused_mlp and tp=1"
+    if lay.l2_budget:
+        return "mma_mlp streams gate/up by block tiles, not the row ranges the L2 prefetch walks: use l2_budget=0"
+    for name, rows in (("hidden", lay.hidden), ("intermediate", lay.inter)):
+        if rows % TILE:
+            return f"mma_mlp tiles rows by {TILE}: {name}={rows} is not a multiple of {TILE}; drop mma_mlp"
+    return None
+
+
+def mma_qkv_error(lay) -> str | None:
+    if not lay.mma_qkv:
+        return None
+    if lay.batch < 2 or lay.mma or lay.tp != 1 or not lay.fused_mlp or lay.qkv_flags:
+        return ("mma_qkv puts a batch build's QKV on tensor cores: it needs batch >= 2, tp=1, fused_mlp and the QKV "
+                "barrier (not qkv_flags), and not mma (which has it already)")
+    if lay.qkv_rows % TILE:
+        return f"mma_qkv tiles rows by {TILE}: q/k/v rows={lay.qkv_rows}; drop mma_qkv"
+    return None
+
+
+def k_steps(lay) -> int:
+    return lay.hp // TILE
+
+
+def block_units(units: int, num_sms: int, b: int) -> tuple[int, int]:
+    """Block b's units [v0, v1) of a block-tiled matrix of `units` (csrc/mk_stream.cuh tile_share)."""
+    return units * b // num_sms, units * (b + 1) // num_sms
+
+
+def tile_share(lay, units: int, steps: int, b: int, w: int) -> tuple[int, int, int]:
+    """Warp w of block b: (block's first unit, first pair, end pair), its (unit, 16-k step) pairs counted from
+    the block's first (csrc/mk_stream.cuh tile_share)."""
+    v0, v1 = block_units(units, lay.num_sms, b)
+    n, W = (v1 - v0) * steps, lay.warps_per_block
+    return v0, n * w // W, n * (w + 1) // W
+
+
+def block_tiles(lay, b: int) -> tuple[int, int]:
+    """Block b's gate/up tiles [t0, t1) (csrc/mk_stream.cuh gu_row0 / 16)."""
+    js, je = layout_fused.block_rows(lay.inter, lay.num_sms, b, TILE)
+    return js // TILE, je // TILE
+
+
+def gu_share(lay, b: int, w: int) -> tuple[int, int, int]:
+    """Warp w of block b: (block's first tile, first pair, end pair), pairs counted from the block's first
+    (csrc/mk_stream.cuh gu_share; a pair is a gate and an up chunk)."""
+    return tile_share(lay, lay.inter // TILE, k_steps(lay), b, w)
+
+
+def qkv_split(qkv_rows: int, hp: int, num_sms: int) -> int:
+    """mma_qkv's k-split S: units are (16-row tile, one of S k parts), dealt to blocks; the smallest S whose most
+    loaded block is within 10% of the mean (layout_mma.choose_split_tiles over blocks; 1B, 132 blocks: S = 2)."""
+    return layout_mma.choose_split_tiles(qkv_rows // TILE, hp, num_sms)
+
+
+def qkv_units(lay) -> tuple[int, int]:
+    """(units, 16-k steps per unit) of the mma_qkv QKV matrix."""
+    s = lay.splits["qkv"]
+    return lay.qkv_rows // TILE * s, k_steps(lay) // s
+
+
+def dn_share(lay, b: int, w: int) -> tuple[int, int, int, int]:
+    """Warp w of block b: (first h row js, k-steps nt, first output tile, end output tile) of its down run,
+    which starts at element js * hidden + o0 * nt * 256 of the layer's packed down (csrc/mk_stream.cuh)."""
+    t0, t1 = block_tiles(lay, b)
+    W, tiles = lay.warps_per_block, lay.hidden // TILE
+    return t0 * TILE, t1 - t0, tiles * w // W, tiles * (w + 1) // W
+
+
+def max_block_tiles(lay) -> int:
+    return max(block_tiles(lay, b)[1] - block_tiles(lay, b)[0] for b in range(lay.num_sms))
+
+
+def _pieces(lay, units: int) -> int:
+    """Partial tiles a block stores for a matrix of `units` (piece index w + v < warps + units per block - 1)."""
+    return lay.warps_per_block + max(b - a for a, b in (block_units(units, lay.num_sms, k) for k in range(lay.num_sms))) - 1
+
+
+def pieces(lay) -> int:
+    """The most pieces any block-tiled matrix of the build stores (MK_MMLP_PIECES)."""
+    return max(_pieces(lay, lay.inter // TILE) if lay.mma_mlp else 0, _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0)
+
+
+def piece_floats(lay) -> int:
+    """Shared floats of the pieces: [pieces][matrices: gate and up, or QKV][16 rows][slots rounded up to even]."""
+    bc = (lay.batch + 1) // 2 * 2
+    gu = _pieces(lay, lay.inter // TILE) * 2 if lay.mma_mlp else 0
+    qkv = _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0
+    return max(gu, qkv) * TILE * bc
+
+
+# ---- packing (xp: numpy or cupy) ---------------------------------------------------------------
+
+def pack_down(xp, lay, down):
+    """down [hidden, inter] (bf16 bits) -> the layer's packed down, flat [inter * Hp] (the first
+    inter * hidden elements used): block b's columns as A tiles, (output tile, k-step) order."""
+    out = xp.zeros(lay.inter * lay.hp, xp.uint16)
+    down = xp.asarray(down)
+    for b in range(lay.num_sms):
+        t0, t1 = block_tiles(lay, b)
+        if t1 > t0:
+            js, je = t0 * TILE, t1 * TILE
+            out[js * lay.hidden:je * lay.hidden] = layout_mma._fragments(xp, xp.ascontiguousarray(down[:, js:je])).reshape(-1)
+    return out
+
+
+def repack_qkv(xp, lay, out: dict) -> None:
+    """pack_weights for mma_qkv: w_qkv in (tile, k part) units of A fragments; the plain rows move to w_qkv_prefill."""
+    qkv = out["w_qkv"]
+    out["w_qkv_prefill"] = qkv
+    out["w_qkv"] = xp.empty_like(qkv)
+    for n in range(lay.layers):
+        out["w_qkv"][n] = layout_mma.pack_rows(xp, qkv[n], lay.splits["qkv"]).reshape(qkv.shape[1:])
+
+
+def repack(xp, lay, out: dict) -> None:
+    """pack_weights for mma_mlp: w_gu in tiles (the plain rows move to w_gu_prefill, which the prefill and the
+    single-sequence build read), w_dn in this module's down tiles (w_dn_prefill keeps the plain rows)."""
+    gu = out["w_gu"]
+    out["w_gu_prefill"] = gu
+    out["w_gu"] = xp.empty_like(gu)
+    for n in range(lay.layers):
+        out["w_gu"][n] = layout_mma.pack_gate_up(xp, gu[n, :, 0], gu[n, :, 1]).reshape(gu.shape[1:])
+        out["w_dn"][n] = pack_down(xp, lay, out["w_dn_prefill"][n, :, :lay.inter])
+
+
+# ---- the kernel's view (numpy model for the CPU tests) -----------------------------------------
+
+def _bf16(u16) -> np.ndarray:
+    return (np.asarray(u16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    from replicas.monokernel_weights import to_bf16_bits
+    return _bf16(to_bf16_bits(np, np.asarray(x, np.float32)))
+
+
+def unfragment(chunk: np.ndarray) -> np.ndarray:
+    """One 512-element A-fragment chunk [32 lanes x 8] -> its 16 x 16 tile (inverse of layout_mma._fragments)."""
+    a = _bf16(chunk).reshape(32, 8)
+    lanes = np.arange(32)
+    g, q = lanes >> 2, lanes & 3
+    tile = np.zeros((TILE, TILE), np.float32)
+    for j, (dr, dk) in enumerate(layout_mma.A_PIECES):
+        for e in range(2):
+            tile[g + dr, 2 * q + dk + e] = a[:, 2 * j + e]
+    return tile
+
+
+def simulate_mlp(lay, w_gu: np.ndarray, w_dn: np.ndarray, x: np.ndarray, live=None) -> np.ndarray:
+    """What fused_mlp_mma computes for one layer from its packed w_gu, w_dn (flat uint16) and the slots'
+    normed inputs x [B, Hp] fp32: every warp's share read from the packed buffers by gu_share / dn_share,
+    fp32 tile sums (the tensor core's own summation order differs in the last bits), pieces added in warp
+    order, h rounded to bf16, each block's output tile rounded to int64 fixed point. Returns [B, hidden]."""
+    B, ks, W = x.shape[0], k_steps(lay), lay.warps_per_block
+    live = range(B) if live is None else live
+    xb = round_bf16(x).astype(np.float64)
+    total = np.zeros((B, lay.hidden), np.int64)
+    for b in range(lay.num_sms):
+        t0, t1 = block_tiles(lay, b)
+        nt = t1 - t0
+        if nt == 0:
+            continue
+        gate = np.zeros((nt, TILE, B), np.float32)
+        up = np.zeros((nt, TILE, B), np.float32)
+        for w in range(W):
+            _, q0, q1 = gu_share(lay, b, w)
+            for q in range(q0, q1):
+                t, c = divmod(q, ks)
+                pair = (t0 * ks + q) * 2 * 256
+                xin = xb[:, c * TILE:(c + 1) * TILE].T  # [16 k, B]
+                gate[t] += (unfragment(w_gu[pair:pair + 256]) @ xin).astype(np.float32)
+                up[t] += (unfragment(w_gu[pair + 256:pair + 512]) @ xin).astype(np.float32)
+        h = gate / (1 + np.exp(-gate.astype(np.float64))) * up
+        hb = round_bf16(h.reshape(nt * TILE, B)).astype(np.float64)  # [rows, B]
+        for b_ in range(B):
+            if b_ not in live:
+                hb[:, b_] = 0.0
+        for w in range(W):
+            js, nt_, o0, o1 = dn_share(lay, b, w)
+            for o in range(o0, o1):
+                acc = np.zeros((TILE, B), np.float32)
+                for k in range(nt_):
+                    off = js * lay.hidden + (o * nt_ + k) * 256
+                    acc += (unfragment(w_dn[off:off + 256]) @ hb[k * TILE:(k + 1) * TILE]).astype(np.float32)
+                total[:, o * TILE:(o + 1) * TILE] += np.rint(acc.T.astype(np.float64) * 2.0 ** layout_fused.FX_SHIFT).astype(np.int64)
+    return (total.astype(np.float64) * 2.0 ** -layout_fused.FX_SHIFT).astype(np.float32)
