@@ -22,6 +22,8 @@ done
 python3 -c "from replicas.monokernel_build import kernel_source; open('/tmp/ncu/kernel_source.cu','w').write(kernel_source())"
 # per-function samples (and with two reports what the second adds); everything else in one archive ($OUT keeps
 # at most 8 files)
-python3 bench/ncu_summary.py --source /tmp/ncu/kernel_source.cu /tmp/ncu/stalls_*.json >> "$OUT/summary.txt" 2>&1
+# (ncu caps both reports at the same sample count: the launch durations rescale the second, --details)
+DETAILS=""; [ -f /tmp/ncu/details_b1.csv ] && [ -f /tmp/ncu/details_b4.csv ] && DETAILS="--details /tmp/ncu/details_b1.csv /tmp/ncu/details_b4.csv"
+python3 bench/ncu_summary.py --source /tmp/ncu/kernel_source.cu $DETAILS /tmp/ncu/stalls_*.json >> "$OUT/summary.txt" 2>&1
 tar czf "$OUT/ncu.tgz" -C /tmp/ncu .
 cat "$OUT/summary.txt"

@@ -69,20 +69,38 @@ def table(fns: dict[str, Counter], top: int) -> list[str]:
     return rows
 
 
-def compare(a: dict[str, Counter], b: dict[str, Counter], top: int) -> list[str]:
+def compare(a: dict[str, Counter], b: dict[str, Counter], top: int, ratio: float | None = None) -> list[str]:
+    """B's samples in A's units, minus A's. `ratio`: B's launch time over A's. Without it the sampling interval is
+    taken as equal (samples proportional to time); with it, B's samples are rescaled to A's rate, which is needed
+    when ncu capped both reports at the same sample count (session 10: 3,262,184 each for 49.7 and 103.9 ms)."""
     ta, tb = sum(c["samples"] for c in a.values()), sum(c["samples"] for c in b.values())
-    rows = [f"samples: {ta:,} -> {tb:,} (+{tb - ta:,})", "",
-            "| function | samples A | samples B | added | share of the addition | top stalls of the addition |",
-            "|---|---|---|---|---|---|"]
-    added = {fn: b.get(fn, Counter())["samples"] - a.get(fn, Counter())["samples"] for fn in set(a) | set(b)}
-    grow = max(1, tb - ta)
+    scale = 1.0 if ratio is None else ratio * ta / max(1, tb)
+    rows = [f"samples: {ta:,} -> {tb:,}" + (f", B scaled by {scale:.3f} (launch-time ratio {ratio})" if ratio else ""), ""]
+    if ratio is None and ta == tb:
+        rows += ["(equal sample counts: ncu capped the buffer; pass --ratio B_time/A_time to compare)", ""]
+    rows += ["| function | samples A | samples B (A units) | added | share of the addition | top stalls of the addition |",
+             "|---|---|---|---|---|---|"]
+    b_in_a = {fn: round(c["samples"] * scale) for fn, c in b.items()}
+    added = {fn: b_in_a.get(fn, 0) - a.get(fn, Counter())["samples"] for fn in set(a) | set(b)}
+    grow = max(1, sum(d for d in added.values() if d > 0))
     for fn, d in sorted(added.items(), key=lambda kv: -kv[1])[:top]:
-        diff = Counter(b.get(fn, Counter()))
+        diff = Counter({k: v * scale for k, v in b.get(fn, Counter()).items()})
         diff.subtract(a.get(fn, Counter()))
         diff = Counter({k: v for k, v in diff.items() if v > 0})
-        rows.append(f"| {fn} | {a.get(fn, Counter())['samples']:,} | {b.get(fn, Counter())['samples']:,} | {d:+,} | "
+        rows.append(f"| {fn} | {a.get(fn, Counter())['samples']:,} | {b_in_a.get(fn, 0):,} | {d:+,} | "
                     f"{100 * d / grow:.1f}% | {top_reasons(diff)} |")
     return rows
+
+
+def launch_seconds(details_csv: Path) -> float:
+    """The first kernel launch's Duration from `ncu --import R --page details --csv` (SpeedOfLight section)."""
+    import csv
+    units = {"ns": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3, "msecond": 1e-3, "s": 1.0, "second": 1.0}
+    for row in csv.reader(details_csv.read_text().splitlines()):
+        if "Duration" in row:
+            i = row.index("Duration")
+            return float(row[i + 2].replace(",", "")) * units[row[i + 1]]
+    raise ValueError(f"{details_csv}: no Duration metric (was the SpeedOfLight section collected?)")
 
 
 def main() -> None:
@@ -90,7 +108,14 @@ def main() -> None:
     ap.add_argument("reports", nargs="+", type=Path, help="one or two stalls JSON files (ncu_profile.py --report)")
     ap.add_argument("--source", type=Path, required=True, help="the assembled kernel source the lines refer to")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--ratio", type=float, default=None,
+                    help="the second launch's duration over the first's (ncu's gpu__time_duration), to compare "
+                         "reports whose sample counts ncu capped alike")
+    ap.add_argument("--details", nargs=2, type=Path, default=None, metavar=("A_CSV", "B_CSV"),
+                    help="the two reports' `ncu --page details --csv` exports: --ratio from their Durations")
     args = ap.parse_args()
+    if args.details:
+        args.ratio = launch_seconds(args.details[1]) / launch_seconds(args.details[0])
     if len(args.reports) > 2:
         ap.error("one report (a table) or two (a table each and their difference)")
     starts, names = functions(args.source.read_text())
@@ -102,7 +127,7 @@ def main() -> None:
         print("\n".join(table(fns[-1], args.top)), "\n")
     if len(fns) == 2:
         print(f"## {args.reports[1].name} minus {args.reports[0].name}\n")
-        print("\n".join(compare(fns[0], fns[1], args.top)))
+        print("\n".join(compare(fns[0], fns[1], args.top, args.ratio)))
 
 
 if __name__ == "__main__":

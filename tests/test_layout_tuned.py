@@ -75,6 +75,24 @@ def test_bad_tuning_values_are_refused(bad, match):
         KernelLayout.from_config(preset_config("tiny"), 64, **bad)
 
 
+def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
+    from replicas.layout_tuned import TUNED_BATCH, TUNED_BATCH_CUDA_CORES, batch_options
+    from replicas.model import ModelConfig
+
+    for preset in ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
+        c = preset_config(preset)
+        assert batch_options(c) == TUNED_BATCH
+        lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c), "batch": 4}))
+        assert lay.mma_mlp and lay.mma_lm and lay.norm_once and lay.ao_slots and not lay.gu_il
+    c = preset_config("llama-3.2-1b")
+    assert batch_options(c, {"gu_il": True}) == {**TUNED_BATCH_CUDA_CORES, "gu_il": True}  # asked for: CUDA cores
+    assert batch_options(c, {"mma_mlp": False}) == {**TUNED_BATCH_CUDA_CORES, "mma_mlp": False}
+    assert batch_options(c, {"mma": True}) == {"mma": True}
+    assert batch_options(c, {"norm_once": False}) == {**TUNED_BATCH, "norm_once": False}  # explicit choices win
+    odd = ModelConfig.from_hf_dict({**PRESETS["llama-3.2-1b"], "vocab_size": 128_250}, source="odd vocab")
+    assert batch_options(odd) == TUNED_BATCH_CUDA_CORES  # (the LM head's tiles need a multiple of 16)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "llama-3.2-3b"])
 def test_engine_default_compiles_for_sm90a(preset, tmp_path):

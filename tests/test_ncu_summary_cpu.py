@@ -64,4 +64,22 @@ def test_the_comparison_ranks_what_the_second_launch_adds(tmp_path: Path):
     rows = [r for r in tail.splitlines() if r.startswith("| ") and "samples A" not in r]
     assert rows[0].startswith("| dot8 | 5 | 50 | +45 |") and "long_scoreboard 89%" in rows[0]
     assert rows[1].startswith("| issue | 7 | 9 | +2 |")
-    assert "samples: 25 -> 72 (+47)" in tail
+    assert "samples: 25 -> 72" in tail and "| +45 | 95.7% |" in rows[0]  # 45 of the 47 added
+
+
+def test_capped_reports_compare_through_the_launch_time_ratio(tmp_path: Path):
+    """ncu capped both launches at the same sample count (session 10): the raw difference says nothing, so the
+    summary asks for --ratio; with it, B's samples count at A's rate (B lasted twice as long: each counts twice)."""
+    src = tmp_path / "k.cu"
+    src.write_text(SOURCE)
+    a, b = tmp_path / "stalls_b1.json", tmp_path / "stalls_b4.json"
+    a.write_text(json.dumps(report({3: (10, 5), 7: (10, 1)})))
+    b.write_text(json.dumps(report({3: (15, 12), 7: (5, 1)})))
+    run = lambda *extra: subprocess.run([sys.executable, "bench/ncu_summary.py", "--source", str(src), str(a), str(b),
+                                         *extra], capture_output=True, text=True,
+                                        cwd=Path(__file__).parent.parent, check=True).stdout.split("minus")[1]
+    assert "ncu capped the buffer; pass --ratio" in run()
+    tail = run("--ratio", "2")
+    rows = [r for r in tail.splitlines() if r.startswith("| ") and "samples A" not in r]
+    assert rows[0].startswith("| dot8 | 10 | 30 | +20 | 90.9% |")  # 15 of B = 30 of A; (+2 more without a line)
+    assert rows[1].startswith("| (no line) | 2 | 4 | +2 |") and rows[2].startswith("| issue | 10 | 10 | +0 |")
