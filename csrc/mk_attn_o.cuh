@@ -10,6 +10,7 @@
 #include "mk_stream.cuh"
 #include "mk_attention.cuh"
 #include "mk_batch.cuh"
+#include "mk_block_mma.cuh"
 
 constexpr float kAoScale = 4294967296.f;  // 2^32, as fused_mlp's accumulators
 constexpr float kAoInv = 1.f / 4294967296.f;
@@ -149,7 +150,11 @@ MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live
 #pragma unroll 4
       for (int s = 0; s < ns; s++) acc += w[h * S + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
+#if MK_MMA_O
+    reinterpret_cast<uint16_t*>(s_act)[frag_half(b, g * MK_AO_GDP + i)] = f32_to_bf16(acc);  // (o_mma's B operand)
+#else
     act_store(s_act, b, i, acc, g * MK_AO_GDP);
+#endif
   }
   __syncthreads();
 }
@@ -159,11 +164,21 @@ MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live
 // live slot (slot b's at s_act + b * kActVec).
 // `target` = splits per group published so far in this launch over all slots (attn_cnt never resets).
 MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned target, float* s_act) {
+  long long u0, u1;
+#if MK_MMA_O
+  constexpr long long kPerGroup = kOTiles;  // (mma_o: the block's tiles, all of one group)
+  {
+    int v0, v1;
+    o_block_units((int)blockIdx.x, v0, v1);
+    u0 = v0, u1 = v1;
+  }
+#else
   const int nw = gridDim.x * kStreamWarps;
-  long long u0, u1, t0, t1;
+  long long t0, t1;
   constexpr long long kPerGroup = kSUnitsO / MK_NKV;  // stream units of one kv group (rows, or mma tiles)
   mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps, nw, u0, t1);
   mat_range(MAT_O, kSUnitsO, blockIdx.x * kStreamWarps + kStreamWarps - 1, nw, t0, u1);
+#endif
   if (u1 <= u0) return;  // no O units in this block (uniform over the block)
   float* s_w = s_act + kAoW;
   for (int g = (int)(u0 / kPerGroup); g <= (int)((u1 - 1) / kPerGroup); g++) {
@@ -191,6 +206,21 @@ MK_DEVICE void ao_add(const MkParams& p, long long u, const float* acc, unsigned
       atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, b) + u % MK_H), (unsigned long long)__float2ll_rn(acc[b] * kAoScale));
 }
 
+#if MK_MMA_O
+// mma_o: this block's O tiles (one kv group's, o_block_units) on the group's staged attention output in B-fragment
+// order (ao_combine_group_slots); each (row, slot) sum into the slot's int64 O accumulator, as ao_add does.
+MK_DEVICE void o_mma(WeightStream& st, const MkParams& p, float* s_act, unsigned live) {
+  int v0, v1;
+  o_block_units((int)blockIdx.x, v0, v1);
+  block_mma<1, kOSteps>(st, p, s_act, st.gw >= 0 ? o_share(st.gw) : TileShare{0, 0, 0}, v1 - v0,
+                        [](int v) { return v / kOTiles * kOSteps; }, s_act + kPieceOff,
+                        [&](int v, int r, int b, const float* sum) {
+    if (slot_on(live, b))
+      atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, b) + (v0 + v) % kOTiles * 16 + r),
+                (unsigned long long)__float2ll_rn(sum[0] * kAoScale));
+  });
+}
+#endif
 // Zeroing of every slot's accumulator (in the QKV phase: read before its barrier, added after).
 MK_DEVICE void ao_zero(const MkParams& p) {
   zero_acc(ao_acc(p), kB * MK_HP);

@@ -13,7 +13,7 @@
 #include "mk_batch.cuh"
 #include "mk_fused.cuh"
 
-#if MK_MMA_MLP || MK_MMA_QKV
+#if MK_MMA_MLP || MK_MMA_QKV || MK_MMA_O
 constexpr int kBc = (kB + 1) & ~1;  // slot columns a piece keeps (even: float2 stores)
 // The pieces sit after the h slices (bf16 with mma_mlp), which no phase but the MLP uses (layout.act_floats).
 constexpr int kPieceOff = kFxH + kB * MK_FX_SLICE / (MK_MMA_MLP ? 2 : 1);

@@ -24,6 +24,9 @@
 #ifndef MK_MMA_QKV
 #define MK_MMA_QKV 0  // batch builds: QKV on tensor cores, block-tiled (layout option mma_qkv; flags only when on)
 #endif
+#ifndef MK_MMA_O
+#define MK_MMA_O 0  // batch builds: O-proj on tensor cores, block-tiled per kv group (layout option mma_o; flags only when on)
+#endif
 #ifndef MK_MMA_LM
 #define MK_MMA_LM 0  // batch builds: the LM head on tensor cores (layout option mma_lm, layout_mma.py tiles; flags only when on)
 #endif
@@ -105,6 +108,12 @@ constexpr int kQkvTiles = kQKVRows / 16 * MK_S_QKV;  // units: (16-row tile, k-s
 constexpr int kQkvSteps = MK_HP / 16 / MK_S_QKV;     // 16-k steps of a unit
 static_assert(MK_BATCH > 1 && !MK_MMA && !MK_QKV_FLAGS && kQKVRows % 16 == 0 && (MK_HP / 16) % MK_S_QKV == 0,
               "mma_qkv: batch builds, rows in whole tiles, the QKV barrier (layout_mma_mlp.mma_qkv_error)");
+#endif
+#if MK_MMA_O
+constexpr int kOTiles = MK_H / 16;        // 16-row tiles of one kv group's O (layout_mma.pack_o_groups: unit g * kOTiles + t)
+constexpr int kOSteps = MK_AO_GDP / 16;   // 16-k steps of a tile (the group's columns)
+static_assert(MK_BATCH > 1 && !MK_MMA && MK_ATTN_O && MK_O_ALIGN && MK_AO_SLOTS && MK_H % 16 == 0,
+              "mma_o: batch builds with fused_attn_o, o_align and ao_slots (layout_mma_mlp.mma_o_error)");
 #endif
 #if MK_MMA_MLP
 constexpr int kKS = MK_HP / 16;  // 16-k steps of a gate/up tile

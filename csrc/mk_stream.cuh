@@ -71,7 +71,7 @@ MK_DEVICE long long gu_row0(Int b) {
 #endif
 }
 
-#if MK_MMA_MLP || MK_MMA_QKV
+#if MK_MMA_MLP || MK_MMA_QKV || MK_MMA_O
 // Block-tiled tensor-core matvecs (mk_block_mma.cuh; replicas/layout_mma_mlp.py tile_share): block b owns the
 // units [U b / nb, U (b + 1) / nb) of a matrix of U units (16-row tiles, or k-split parts of tiles), `steps` 16-k
 // steps each; warp w of the block takes the (unit, step) pairs [q0, q1) of the block's, counted from its first
@@ -81,6 +81,25 @@ MK_DEVICE TileShare tile_share(int gw, int units, int steps) {
   const int b = gw / kStreamWarps, w = gw % kStreamWarps;
   const int v0 = (int)((unsigned)units * (unsigned)b / gridDim.x);
   const int n = ((int)((unsigned)units * (unsigned)(b + 1) / gridDim.x) - v0) * steps;
+  return {v0, n * w / kStreamWarps, n * (w + 1) / kStreamWarps};
+}
+#endif
+#if MK_MMA_O
+// mma_o: as o_align deals O rows, blocks [g nb / NKV, (g + 1) nb / NKV) serve kv group g; within them each block
+// owns whole tiles [v0, v1) of the group's (global unit g * kOTiles + t; layout_mma_mlp.o_block_units).
+MK_DEVICE void o_block_units(int b, int& v0, int& v1) {
+  const int nb = (int)gridDim.x;
+  int g = 0;
+  while ((g + 1) * nb / MK_NKV <= b) g++;
+  const int b0 = g * nb / MK_NKV, n = (g + 1) * nb / MK_NKV - b0;
+  v0 = g * kOTiles + kOTiles * (b - b0) / n;
+  v1 = g * kOTiles + kOTiles * (b - b0 + 1) / n;
+}
+MK_DEVICE TileShare o_share(int gw) {
+  const int w = gw % kStreamWarps;
+  int v0, v1;
+  o_block_units(gw / kStreamWarps, v0, v1);
+  const int n = (v1 - v0) * kOSteps;
   return {v0, n * w / kStreamWarps, n * (w + 1) / kStreamWarps};
 }
 #endif
@@ -130,6 +149,13 @@ struct WeightStream {
       if (mat == MAT_LM) { mat = MAT_QKV; layer = 0; }
       else if (mat == MAT_DN) { if (++layer == MK_L) mat = MAT_LM; else mat = MAT_QKV; }
       else mat++;
+#if MK_MMA_O
+      if (mat == MAT_O) {
+        const TileShare s = o_share(gw);
+        if (s.q1 > s.q0) { ptr = p.w_o + layer * kStrideO + ((long long)s.v0 * kOSteps + s.q0) * kChunk; left = s.q1 - s.q0; return; }
+        continue;
+      }
+#endif
 #if MK_MMA_QKV
       if (mat == MAT_QKV) {
         const TileShare s = tile_share(gw, kQkvTiles, kQkvSteps);
@@ -241,7 +267,7 @@ MK_DEVICE void act_store(float* s_act, int b, int i, float v, int base = 0) {
 // `live`: the slots to compute (batch builds skip finished ones; their sums are then left at 0).
 MK_DEVICE bool slot_on(unsigned live, int b) { return kB == 1 || ((live >> b) & 1u); }
 
-#if MK_MMA || MK_MMA_MLP || MK_MMA_LM || MK_MMA_QKV
+#if MK_MMA || MK_MMA_MLP || MK_MMA_LM || MK_MMA_QKV || MK_MMA_O
 // d += a (16 x 16 weights, A fragment) * b (16 k x 8 slots, B fragment), fp32 accumulators.
 MK_DEVICE void mma_16816(float (&d)[4], const uint4& a, const uint2& b) {
 #ifdef MK_EMU

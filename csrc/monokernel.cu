@@ -340,7 +340,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       ao_target += (unsigned)(attention_items(p, step, live) / MK_NKV);
       ao_stage(p, step, live, ao_target, s_act);
       MK_TL_AT(tl, 8);
+#if MK_MMA_O
+      o_mma(st, p, s_act, live);
+#else
       run_phase<MAT_O>(st, p, layer, s_act, [&](long long u, const float* acc, const float*) { ao_add(p, u, acc, live); }, live);
+#endif
 #else
       MK_ARRIVE();
       grid_barrier<kBarrierThread>(p.bar_count, epoch);

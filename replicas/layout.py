@@ -150,6 +150,7 @@ class KernelLayout:
     norm_once: bool = False  # batch builds: the prologues load every slot's residual once, all loads in flight
     mma_lm: bool = False  # batch builds: the LM head on tensor cores (layout_mma.py tiles, bf16 input)
     mma_qkv: bool = False  # batch builds: QKV on tensor cores, block-tiled k-split (layout_mma_mlp.py)
+    mma_o: bool = False  # batch builds: O-proj on tensor cores, block-tiled per kv group (layout_mma_mlp.py)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -165,7 +166,8 @@ class KernelLayout:
                     gu_il: bool = False, o_align: bool = False, zero_spread: bool = False,
                     dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
-                    norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False) -> KernelLayout:
+                    norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
+                    mma_o: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -191,7 +193,8 @@ class KernelLayout:
                    o_align=bool(o_align), zero_spread=bool(zero_spread), dn_passes=int(dn_passes),
                    norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident),
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
-                   norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv))
+                   norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
+                   mma_o=bool(mma_o))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -201,6 +204,7 @@ class KernelLayout:
         if tp_error := (base._tp_error() or layout_fused.fused_error(base) or layout_attn_o.attn_o_error(base)
                         or layout_mma.mma_error(base) or layout_mma.mma_lm_error(base)
                         or layout_mma_mlp.mma_mlp_error(base) or layout_mma_mlp.mma_qkv_error(base)
+                        or layout_mma_mlp.mma_o_error(base)
                         or layout_options.option_error(base)):
             raise LayoutError(tp_error)
         warps = base.total_warps
@@ -275,7 +279,7 @@ class KernelLayout:
             fx_h = max(layout_fused.part_floats(self), vectors)
             # mma_mlp: the h slices are bf16 (half); then the block-tiled matvecs' pieces (csrc/mk_block_mma.cuh)
             h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp else 1)
-            pieces = layout_mma_mlp.piece_floats(self) if self.mma_mlp or self.mma_qkv else 0
+            pieces = layout_mma_mlp.piece_floats(self) if self.mma_mlp or self.mma_qkv or self.mma_o else 0
             return max(fx_h + h + pieces,
                        vectors + 2 * self.group * MAX_ATTN_SPLITS,
                        self.attn_floats)
@@ -418,8 +422,10 @@ class KernelLayout:
                 defs["MK_NORM_ONCE"] = 1
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
-        if self.mma_mlp or self.mma_qkv:
+        if self.mma_mlp or self.mma_qkv or self.mma_o:
             defs["MK_MMLP_PIECES"] = layout_mma_mlp.pieces(self)
+        if self.mma_o:
+            defs["MK_MMA_O"] = 1
         if self.mma_mlp:
             defs["MK_MMA_MLP"] = 1
         if self.mma_qkv:

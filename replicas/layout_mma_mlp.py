@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from replicas import layout_fused, layout_mma
+from replicas import layout_attn_o, layout_fused, layout_mma
 
 TILE = layout_mma.TILE
 
@@ -58,6 +58,34 @@ def mma_qkv_error(lay) -> str | None:
     if lay.qkv_rows % TILE:
         return f"mma_qkv tiles rows by {TILE}: q/k/v rows={lay.qkv_rows}; drop mma_qkv"
     return None
+
+
+def mma_o_error(lay) -> str | None:
+    if not lay.mma_o:
+        return None
+    if lay.batch < 2 or lay.mma or lay.tp != 1 or not (lay.fused_attn_o and lay.o_align and lay.ao_slots):
+        return ("mma_o puts a batch build's O-proj on tensor cores: it needs batch >= 2, tp=1, fused_attn_o with "
+                "o_align and ao_slots (the batch defaults), and not mma (which has it already)")
+    if lay.hidden % TILE or lay.num_sms < lay.kv_heads:
+        return (f"mma_o tiles O rows by {TILE} per kv group over whole blocks: hidden={lay.hidden}, "
+                f"{lay.num_sms} blocks for {lay.kv_heads} kv heads; drop mma_o")
+    return None
+
+
+def o_block_units(lay, b: int) -> tuple[int, int]:
+    """Block b's O tiles [v0, v1) (unit g * hidden/16 + t, layout_mma.pack_o_groups): o_align gives kv group g the
+    blocks [g nb / NKV, (g + 1) nb / NKV), which share its tiles evenly (csrc/mk_stream.cuh o_block_units)."""
+    nb, nkv, tiles = lay.num_sms, lay.kv_heads, lay.hidden // TILE
+    g = next(g for g in range(nkv) if (g + 1) * nb // nkv > b)
+    b0, n = g * nb // nkv, (g + 1) * nb // nkv - g * nb // nkv
+    return g * tiles + tiles * (b - b0) // n, g * tiles + tiles * (b - b0 + 1) // n
+
+
+def o_share(lay, b: int, w: int) -> tuple[int, int, int]:
+    """Warp w of block b: (block's first O tile, first pair, end pair) of its (tile, 16-k step) pairs."""
+    v0, v1 = o_block_units(lay, b)
+    n, W = (v1 - v0) * (layout_attn_o.group_len(lay) // TILE), lay.warps_per_block
+    return v0, n * w // W, n * (w + 1) // W
 
 
 def k_steps(lay) -> int:
@@ -118,17 +146,23 @@ def _pieces(lay, units: int) -> int:
     return lay.warps_per_block + max(b - a for a, b in (block_units(units, lay.num_sms, k) for k in range(lay.num_sms))) - 1
 
 
+def _o_pieces(lay) -> int:
+    return lay.warps_per_block + max(b - a for a, b in (o_block_units(lay, k) for k in range(lay.num_sms))) - 1
+
+
 def pieces(lay) -> int:
     """The most pieces any block-tiled matrix of the build stores (MK_MMLP_PIECES)."""
-    return max(_pieces(lay, lay.inter // TILE) if lay.mma_mlp else 0, _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0)
+    return max(_pieces(lay, lay.inter // TILE) if lay.mma_mlp else 0, _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0,
+               _o_pieces(lay) if lay.mma_o else 0)
 
 
 def piece_floats(lay) -> int:
-    """Shared floats of the pieces: [pieces][matrices: gate and up, or QKV][16 rows][slots rounded up to even]."""
+    """Shared floats of the pieces: [pieces][matrices: gate and up, or one][16 rows][slots rounded up to even]."""
     bc = (lay.batch + 1) // 2 * 2
     gu = _pieces(lay, lay.inter // TILE) * 2 if lay.mma_mlp else 0
     qkv = _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0
-    return max(gu, qkv) * TILE * bc
+    o = _o_pieces(lay) if lay.mma_o else 0
+    return max(gu, qkv, o) * TILE * bc
 
 
 # ---- packing (xp: numpy or cupy) ---------------------------------------------------------------
@@ -153,6 +187,16 @@ def repack_qkv(xp, lay, out: dict) -> None:
     out["w_qkv"] = xp.empty_like(qkv)
     for n in range(lay.layers):
         out["w_qkv"][n] = layout_mma.pack_rows(xp, qkv[n], lay.splits["qkv"]).reshape(qkv.shape[1:])
+
+
+def repack_o(xp, lay, out: dict) -> None:
+    """pack_weights for mma_o: w_o (fused_attn_o's [L][NKV][H][GDp]) in A-fragment tiles, unit g * H/16 + t; the
+    by-group rows the single-sequence build streams move to w_o_groups (w_o_prefill keeps the plain rows)."""
+    o = out["w_o"]
+    out["w_o_groups"] = o
+    out["w_o"] = xp.empty_like(o)
+    for n in range(lay.layers):
+        out["w_o"][n] = layout_mma.pack_o_groups(xp, o[n]).reshape(o.shape[1:])
 
 
 def repack(xp, lay, out: dict) -> None:

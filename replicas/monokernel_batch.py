@@ -29,7 +29,7 @@ from replicas.monokernel_resident import PREFILL_SMS, Admissions
 from replicas.layout_fused import pack_down_fused
 
 
-BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv")  # layout options the single-sequence build does not take
+BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o")  # layout options the single-sequence build does not take
 
 
 @dataclass
@@ -93,7 +93,7 @@ def regrid_weights(xp, weights: Mapping[str, object], lay, single_lay, config: M
     block tiles follow the grid) from the prefill's plain down rows; and with mma_mlp (a batch-only
     option) the plain gate/up rows the prefill reads too (layout_mma_mlp.repack)."""
     own_down = single_lay.fused_mlp and (single_lay.num_sms != lay.num_sms or lay.mma_mlp)
-    if not own_down and not (lay.mma_mlp or lay.mma_lm or lay.mma_qkv):
+    if not own_down and not (lay.mma_mlp or lay.mma_lm or lay.mma_qkv or lay.mma_o):
         return weights
     out = dict(weights)
     if lay.mma_mlp:
@@ -102,6 +102,8 @@ def regrid_weights(xp, weights: Mapping[str, object], lay, single_lay, config: M
         out["w_lm"] = weights["w_lm_prefill"]
     if lay.mma_qkv:  # (and QKV: mma_qkv)
         out["w_qkv"] = weights["w_qkv_prefill"]
+    if lay.mma_o:  # (and O by kv group: mma_o)
+        out["w_o"] = weights["w_o_groups"]
     if own_down:
         dn = weights["w_dn_prefill"]  # [L][H][Ip] plain down rows
         out["w_dn"] = xp.empty_like(weights["w_dn"])

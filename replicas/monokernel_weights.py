@@ -109,6 +109,8 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
         layout_mma_mlp.repack(xp, lay, out)
     if lay.mma_qkv:
         layout_mma_mlp.repack_qkv(xp, lay, out)
+    if lay.mma_o:
+        layout_mma_mlp.repack_o(xp, lay, out)
     if lay.mma:  # the kernel's tensor-core tiles (layout_mma.py); the prefill keeps the plain rows
         _repack_mma(xp, lay, out, head)
     elif lay.mma_lm:  # the LM head alone in tiles; the prefill and the single-sequence build read the plain rows

@@ -9,8 +9,8 @@
    keeps the CUDA-core MLP on its own packing) keeps every request's greedy tokens.
 3. Refusals, flags, shared memory and the sm_90a build (where nvcc exists).
 4. The other batch options of the same work: norm_once (the prologue loads every slot once: bit-identical),
-   mma_lm (the LM head on tensor cores: layout_mma's tiles, bf16 input) and mma_qkv (QKV block-tiled on tensor
-   cores like the gate/up, csrc/mk_block_mma.cuh; not yet run on a GPU, so off by default).
+   mma_lm (the LM head on tensor cores: layout_mma's tiles, bf16 input), mma_qkv and mma_o (QKV and the O-proj
+   block-tiled on tensor cores like the gate/up, csrc/mk_block_mma.cuh; not yet run on a GPU, so off by default).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 from replicas import layout_fused, layout_mma_mlp as M
 from replicas.checkpoint import preset_config
 from replicas.layout import KernelLayout, LayoutError
-from replicas.layout_tuned import engine_options
+from replicas.layout_tuned import TUNED_BATCH, engine_options
 from replicas.monokernel_build import kernel_source, nvcc_command
 from replicas.monokernel_weights import pack_weights, to_bf16_bits, to_f32
 
@@ -95,13 +95,17 @@ def test_the_single_build_gets_the_plain_gate_up_and_its_own_down():
     from replicas.monokernel_batch import BATCH_ONLY_OPTIONS, regrid_weights
     cfg = preset_config("tiny")
     tensors = small_tensors(cfg)
-    lay = mlp_layout(num_sms=4)
-    assert "mma_mlp" in BATCH_ONLY_OPTIONS
     single = KernelLayout.from_config(cfg, 512, num_sms=6, **engine_options(cfg, {}))
-    got = regrid_weights(np, pack_weights(np, lay, cfg, tensors), lay, single, cfg)
     want = pack_weights(np, single, cfg, tensors)
-    for name in ("w_gu", "w_dn", "w_qkv", "w_o", "w_lm"):
-        assert np.array_equal(got[name], want[name]), name
+    for extra in ({}, {"mma_qkv": True, "mma_o": True}):  # (every tensor-core option re-tiles its matrix)
+        lay = mlp_layout(num_sms=4, **TUNED_BATCH, **extra)
+        assert all(k in BATCH_ONLY_OPTIONS for k in {**TUNED_BATCH, **extra})
+        packed = pack_weights(np, lay, cfg, tensors)
+        got = regrid_weights(np, packed, lay, single, cfg)
+        for name in ("w_gu", "w_dn", "w_qkv", "w_o", "w_lm"):
+            assert np.array_equal(got[name], want[name]), name
+            if name in ("w_gu", "w_dn", "w_lm") or extra:
+                assert not np.array_equal(packed[name], want[name]), name  # (the batch build's own tiles)
 
 
 def test_flags_and_shared_memory():
@@ -172,12 +176,28 @@ def test_mma_qkv_units_cover_the_matrix_once_and_balance_the_blocks(preset, num_
     assert "-DMK_MMA_QKV=1" in lay.compile_flags() and M.pieces(lay) >= lay.warps_per_block
 
 
+@pytest.mark.parametrize("preset,num_sms", [("tiny", 3), ("tiny", 5), ("llama-3.2-1b", 116), ("llama-3.1-8b", 132)])
+def test_mma_o_tiles_cover_each_groups_o_once_on_its_own_blocks(preset, num_sms):
+    cfg = preset_config(preset)
+    lay = KernelLayout.from_config(cfg, 512, num_sms=num_sms, **engine_options(cfg, {**TUNED_BATCH, "batch": 4,
+                                                                                     "mma_o": True}))
+    tiles, steps = lay.hidden // 16, M.layout_attn_o.group_len(lay) // 16
+    seen = np.zeros(lay.kv_heads * tiles * steps, np.int32)
+    for b in range(num_sms):
+        v0, v1 = M.o_block_units(lay, b)
+        assert v1 > v0 and v0 // tiles == (v1 - 1) // tiles  # every block has tiles, all of one kv group
+        for w in range(lay.warps_per_block):
+            u0, q0, q1 = M.o_share(lay, b, w)
+            seen[u0 * steps + q0:u0 * steps + q1] += 1
+    assert (seen == 1).all() and "-DMK_MMA_O=1" in lay.compile_flags()
+
+
 @needs_gxx
-def test_mma_qkv_slots_match_the_single_kernel():
-    """mma_qkv on top of the batched engine's defaults, on tiny dims at 6 blocks (k-split S = 2: two partials
-    per QKV row) and the wide model at 5 (S = 1): each slot within 3e-2 of the single kernel (bf16 QKV inputs;
-    measured 3.7-6.5e-3 and up to 1.7e-2, the all-bf16 mma build being 1.65e-2 away on the wide model)."""
-    from replicas.layout_tuned import TUNED_BATCH
+def test_mma_qkv_and_mma_o_slots_match_the_single_kernel():
+    """mma_qkv and mma_o on top of the batched engine's defaults, on tiny dims at 6 blocks (QKV k-split S = 2: two
+    partials per row; O: 3 blocks per kv group) and the wide model at 5 (S = 1; blocks 2 / 3 per group): each slot
+    within 3e-2 of the single kernel (bf16 QKV and O inputs; measured 6.2e-3-1.6e-2, the all-bf16 mma build being
+    1.65e-2 away on the wide model), and mma_o alone (on the defaults) within 3e-2 too (measured 4.8-6.4e-3)."""
     from replicas.monokernel_emu import EmuModel
     from tests.test_monokernel_emu_cpu import rel, small_family
 
@@ -186,13 +206,17 @@ def test_mma_qkv_slots_match_the_single_kernel():
         cfg, bits, _ = small_family("llama-3.2-1b", **dims)
         rng = np.random.default_rng(31)
         seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (26, 17, 21)]
-        many = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, "mma_qkv": True}, num_sms=sms)
-        assert many.layout.splits["qkv"] == split
         one = EmuModel(cfg, dict(bits), num_sms=sms)
-        for s, got in zip(seqs, many.forward_logits_slots(seqs)):
-            assert 1e-5 < rel(got, one.forward_logits(s)) <= 3e-2
+        want = [one.forward_logits(s) for s in seqs]
+        for extra in ({"mma_qkv": True, "mma_o": True},) + (({"mma_o": True},) if sms == 5 else ()):
+            many = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, **extra}, num_sms=sms)
+            assert many.layout.splits["qkv"] == (split if "mma_qkv" in extra else many.layout.splits["qkv"])
+            for got, w in zip(many.forward_logits_slots(seqs), want):
+                assert 1e-5 < rel(got, w) <= 3e-2, extra
     with pytest.raises(LayoutError, match="mma_qkv puts a batch build's QKV on tensor cores"):
         KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"mma_qkv": True}))
+    with pytest.raises(LayoutError, match="mma_o puts a batch build's O-proj on tensor cores"):
+        KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"batch": 4, "mma_o": True}))
 
 
 @needs_gxx
@@ -249,7 +273,7 @@ def test_the_batch_defaults_serve_the_other_families(preset, dims):
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 4), ("llama-3.1-8b", 8)])
 def test_mma_mlp_kernel_compiles_for_sm90a(preset, batch, tmp_path):
     lay = mlp_layout(preset, batch=batch, num_sms=116, ao_slots=True, resident=True, mma_lm=True, norm_once=True,
-                     mma_qkv=True)
+                     mma_qkv=True, mma_o=True)
     src = tmp_path / "mk.cu"
     src.write_text(kernel_source())
     r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), capture_output=True, text=True, timeout=300)
