@@ -222,12 +222,12 @@ def test_mma_qkv_and_mma_o_slots_match_the_single_kernel():
 @needs_gxx
 def test_norm_once_is_bit_identical_and_mma_lm_within_bf16_distance():
     """norm_once only reorders the batch prologue's loads: the same logits bit for bit. mma_lm rounds the LM head's
-    input to bf16 (measured 1.5-1.8e-3 from the single kernel on the wide model; bound 1e-2, half the transformers
+    input to bf16 (measured 1.5-1.8e-3 from the single kernel; bound 1e-2, half the transformers
     bound); with mma_mlp and norm_once on top, the act_bf16-like 3e-2 of test_batch_slots_match_..."""
     from replicas.monokernel_emu import EmuModel
     from tests.test_monokernel_emu_cpu import rel, small_family
 
-    cfg, bits, _ = small_family("llama-3.2-1b", hidden_size=512, intermediate_size=768, num_attention_heads=8)
+    cfg, bits, _ = small_family("llama-3.2-1b", intermediate_size=768)
     rng = np.random.default_rng(29)
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (27, 18, 22)]
     run = lambda **o: EmuModel(cfg, dict(bits), layout_options={"batch": 4, **o}, num_sms=5).forward_logits_slots(seqs)
@@ -270,7 +270,7 @@ def test_the_batch_defaults_serve_the_other_families(preset, dims):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
-@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 4), ("llama-3.1-8b", 8)])
+@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 4)])  # (8B B = 8 with all of them: 20 s, spills 1.2 KB)
 def test_mma_mlp_kernel_compiles_for_sm90a(preset, batch, tmp_path):
     lay = mlp_layout(preset, batch=batch, num_sms=116, ao_slots=True, resident=True, mma_lm=True, norm_once=True,
                      mma_qkv=True, mma_o=True)

@@ -82,15 +82,12 @@ def tiny(tiny_checkpoint):
     return cfg, tensors, EmuModel(cfg, tensors)
 
 
-@pytest.fixture(scope="module", params=["plain", "tensor-cores"])
-def resident_gpu(request, tiny):
-    """The resident B = 4 build, plain, and with the batched engine's defaults (layout_tuned.TUNED_BATCH: the MLP
-    and the LM head on tensor cores, whose joined slots' LM input comes from the handed-over hidden state)."""
-    from replicas.layout_tuned import TUNED_BATCH
+@pytest.fixture(scope="module")
+def resident_gpu(tiny):
     from replicas.monokernel_emu_batch import EmuBatchGpu
 
     cfg, tensors, _ = tiny
-    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options=TUNED_BATCH if request.param != "plain" else None)
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True)
     assert (gpu.layout.num_sms, gpu.single_layout.num_sms) == (3, 4)  # two grids: two fused-down packings
     return gpu
 
@@ -137,6 +134,43 @@ def test_slots_join_while_decoding_at_step_zero_and_after_every_slot_finished(ti
     for b in range(4):
         assert gpu.slot_tokens(b)[:budget[b]].tolist() == one.generate_greedy(prompts[b], budget[b]), b
         assert int(gpu.slot_ctrl(b)[L.CTRL_STATUS]) == L.STATUS_LENGTH
+
+
+@emu_only
+def test_the_batch_defaults_admit_joins_at_step_zero_and_while_decoding(tiny):
+    """The resident build with the batched engine's defaults (layout_tuned.TUNED_BATCH: the MLP and the LM head on
+    tensor cores, whose joined slots' LM input is the handed-over hidden state; ao_slots, whose combine divided by
+    the live slot count while the launch idled): joins at step 0, while another decodes, and after an idle spell
+    give the single kernel's greedy tokens (these prompts have no near tie at bf16 level)."""
+    from replicas.layout_tuned import TUNED_BATCH
+    from replicas.monokernel_batch import SlotSpec
+    from replicas.monokernel_emu_batch import EmuBatchGpu
+    from replicas.monokernel_prefill import Prefill
+
+    cfg, tensors, one = tiny
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options=TUNED_BATCH)
+    assert gpu.layout.mma_mlp and gpu.layout.mma_lm and not gpu.single_layout.mma_mlp
+    rng = np.random.default_rng(43)
+    prompts = {b: rng.integers(0, cfg.vocab_size, n).tolist() for b, n in ((2, 9), (1, 11), (0, 8))}
+    budget = {2: 5, 1: 9, 0: 4}
+    done = lambda b: bool(gpu.slot_ctrl(b)[L.CTRL_DONE])
+
+    def join(b):
+        x, _ = Prefill(gpu.slot_view(b), np).run(prompts[b])
+        gpu.prepare_join(b, SlotSpec(start_pos=len(prompts[b]), max_steps=budget[b]), x)
+        gpu.admissions.publish(1 << b)
+        _wait(lambda: gpu.admissions.settle() == 1 << b)
+
+    gpu.launch_slots([None] * 4, fresh={}, idle_ns=int(60e9))
+    join(2)  # at step 0
+    join(1)  # while slot 2 decodes
+    _wait(lambda: done(1) and done(2))
+    join(0)  # after every slot had finished: the launch idled through empty layers
+    _wait(lambda: done(0))
+    gpu.request_yield()
+    gpu.synchronize()
+    for b in (2, 1, 0):
+        assert gpu.slot_tokens(b)[:budget[b]].tolist() == one.generate_greedy(prompts[b], budget[b]), b
 
 
 @emu_only
