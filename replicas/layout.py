@@ -71,6 +71,13 @@ MAX_BATCH = 8  # slots of a batch build
 RED_FLOATS = 96  # block-reduction scratch in shared memory
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
+# Layout options that only switch a code path on: (field, the -D flag set to 1 when on; emitted only then, so builds
+# without them keep their flags and cubins)
+SWITCH_FLAGS = (("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
+                ("param_value", "MK_PARAM_VALUE"), ("div32", "MK_DIV32"), ("gu_il", "MK_GU_IL"),
+                ("o_align", "MK_O_ALIGN"), ("zero_spread", "MK_ZERO_SPREAD"))
+
+
 class LayoutError(ValueError):
     """The model's shapes cannot be served by this monokernel build."""
 
@@ -279,7 +286,7 @@ class KernelLayout:
             fx_h = max(layout_fused.part_floats(self), vectors)
             # mma_mlp: the h slices are bf16 (half); then the block-tiled matvecs' pieces (csrc/mk_block_mma.cuh)
             h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp else 1)
-            pieces = layout_mma_mlp.piece_floats(self) if self.mma_mlp or self.mma_qkv or self.mma_o else 0
+            pieces = layout_mma_mlp.piece_floats(self) if layout_mma_mlp.block_tiled(self) else 0
             return max(fx_h + h + pieces,
                        vectors + 2 * self.group * MAX_ATTN_SPLITS,
                        self.attn_floats)
@@ -422,26 +429,13 @@ class KernelLayout:
                 defs["MK_NORM_ONCE"] = 1
         if self.mma:  # emitted only when on, like the options above
             defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
-        if self.mma_mlp or self.mma_qkv or self.mma_o:
+        if layout_mma_mlp.block_tiled(self):
             defs["MK_MMLP_PIECES"] = layout_mma_mlp.pieces(self)
-        if self.mma_o:
-            defs["MK_MMA_O"] = 1
-        if self.mma_mlp:
-            defs["MK_MMA_MLP"] = 1
-        if self.mma_qkv:
-            defs["MK_MMA_QKV"] = 1
+        for option, flag in SWITCH_FLAGS:  # one-bit options: flag = 1 when on
+            if getattr(self, option):
+                defs[flag] = 1
         if self.mma_lm:
-            defs.update({"MK_MMA_LM": 1, "MK_VT": layout_mma.vocab_rows(self)})
-        if self.param_value:
-            defs["MK_PARAM_VALUE"] = 1
-        if self.div32:
-            defs["MK_DIV32"] = 1
-        if self.gu_il:
-            defs["MK_GU_IL"] = 1
-        if self.o_align:
-            defs["MK_O_ALIGN"] = 1
-        if self.zero_spread:
-            defs["MK_ZERO_SPREAD"] = 1
+            defs["MK_VT"] = layout_mma.vocab_rows(self)
         if self.dn_passes > 1:
             defs["MK_DN_PASSES"] = self.dn_passes
         if self.norm_early:

@@ -106,9 +106,8 @@ def tile_share(lay, units: int, steps: int, b: int, w: int) -> tuple[int, int, i
 
 
 def block_tiles(lay, b: int) -> tuple[int, int]:
-    """Block b's gate/up tiles [t0, t1) (csrc/mk_stream.cuh gu_row0 / 16)."""
-    js, je = layout_fused.block_rows(lay.inter, lay.num_sms, b, TILE)
-    return js // TILE, je // TILE
+    """Block b's gate/up tiles [t0, t1) (csrc/mk_stream.cuh gu_row0 / 16; layout_fused.block_rows in tiles)."""
+    return block_units(lay.inter // TILE, lay.num_sms, b)
 
 
 def gu_share(lay, b: int, w: int) -> tuple[int, int, int]:
@@ -138,31 +137,40 @@ def dn_share(lay, b: int, w: int) -> tuple[int, int, int, int]:
 
 
 def max_block_tiles(lay) -> int:
-    return max(block_tiles(lay, b)[1] - block_tiles(lay, b)[0] for b in range(lay.num_sms))
+    return _most_units(lay, lambda b: block_tiles(lay, b))
 
 
-def _pieces(lay, units: int) -> int:
-    """Partial tiles a block stores for a matrix of `units` (piece index w + v < warps + units per block - 1)."""
-    return lay.warps_per_block + max(b - a for a, b in (block_units(units, lay.num_sms, k) for k in range(lay.num_sms))) - 1
+def block_tiled(lay) -> bool:
+    """Whether the build runs a block-tiled tensor-core matvec (csrc/mk_block_mma.cuh), which stores pieces."""
+    return lay.mma_mlp or lay.mma_qkv or lay.mma_o
 
 
-def _o_pieces(lay) -> int:
-    return lay.warps_per_block + max(b - a for a, b in (o_block_units(lay, k) for k in range(lay.num_sms))) - 1
+def _most_units(lay, block_range) -> int:
+    return max(v1 - v0 for v0, v1 in map(block_range, range(lay.num_sms)))
+
+
+def _matrices(lay) -> list[tuple[int, int]]:
+    """(most units in a block, chunks per step) of each block-tiled matrix of the build."""
+    out = []
+    if lay.mma_mlp:
+        out.append((max_block_tiles(lay), 2))  # gate and up
+    if lay.mma_qkv:
+        out.append((_most_units(lay, lambda b: block_units(qkv_units(lay)[0], lay.num_sms, b)), 1))
+    if lay.mma_o:
+        out.append((_most_units(lay, lambda b: o_block_units(lay, b)), 1))
+    return out
 
 
 def pieces(lay) -> int:
-    """The most pieces any block-tiled matrix of the build stores (MK_MMLP_PIECES)."""
-    return max(_pieces(lay, lay.inter // TILE) if lay.mma_mlp else 0, _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0,
-               _o_pieces(lay) if lay.mma_o else 0)
+    """The most pieces any block-tiled matrix of the build stores (piece index w + v < warps + units per block - 1;
+    MK_MMLP_PIECES)."""
+    return max((lay.warps_per_block + n - 1 for n, _ in _matrices(lay)), default=0)
 
 
 def piece_floats(lay) -> int:
     """Shared floats of the pieces: [pieces][matrices: gate and up, or one][16 rows][slots rounded up to even]."""
     bc = (lay.batch + 1) // 2 * 2
-    gu = _pieces(lay, lay.inter // TILE) * 2 if lay.mma_mlp else 0
-    qkv = _pieces(lay, qkv_units(lay)[0]) if lay.mma_qkv else 0
-    o = _o_pieces(lay) if lay.mma_o else 0
-    return max(gu, qkv, o) * TILE * bc
+    return max(((lay.warps_per_block + n - 1) * mats for n, mats in _matrices(lay)), default=0) * TILE * bc
 
 
 # ---- packing (xp: numpy or cupy) ---------------------------------------------------------------
@@ -180,33 +188,39 @@ def pack_down(xp, lay, down):
     return out
 
 
+def plain_copies(lay) -> dict[str, str]:
+    """The matrices the batch-only tensor-core options re-tile, each with the key that keeps the layout the
+    prefill and the single-sequence build read (monokernel_batch.regrid_weights hands those to the single build).
+    w_dn is not here: the single build's fused down is packed again for its own grid."""
+    return {name: plain for on, name, plain in ((lay.mma_mlp, "w_gu", "w_gu_prefill"), (lay.mma_lm, "w_lm", "w_lm_prefill"),
+                                                (lay.mma_qkv, "w_qkv", "w_qkv_prefill"), (lay.mma_o, "w_o", "w_o_groups")) if on}
+
+
+def _retile(xp, lay, out: dict, name: str, pack_layer) -> None:
+    """out[name] [L, ...] per layer through pack_layer (flat), the original kept under plain_copies(lay)[name]."""
+    plain = out[name]
+    out[plain_copies(lay)[name]] = plain
+    out[name] = xp.empty_like(plain)
+    for n in range(lay.layers):
+        out[name][n] = pack_layer(plain[n]).reshape(plain.shape[1:])
+
+
 def repack_qkv(xp, lay, out: dict) -> None:
     """pack_weights for mma_qkv: w_qkv in (tile, k part) units of A fragments; the plain rows move to w_qkv_prefill."""
-    qkv = out["w_qkv"]
-    out["w_qkv_prefill"] = qkv
-    out["w_qkv"] = xp.empty_like(qkv)
-    for n in range(lay.layers):
-        out["w_qkv"][n] = layout_mma.pack_rows(xp, qkv[n], lay.splits["qkv"]).reshape(qkv.shape[1:])
+    _retile(xp, lay, out, "w_qkv", lambda m: layout_mma.pack_rows(xp, m, lay.splits["qkv"]))
 
 
 def repack_o(xp, lay, out: dict) -> None:
     """pack_weights for mma_o: w_o (fused_attn_o's [L][NKV][H][GDp]) in A-fragment tiles, unit g * H/16 + t; the
     by-group rows the single-sequence build streams move to w_o_groups (w_o_prefill keeps the plain rows)."""
-    o = out["w_o"]
-    out["w_o_groups"] = o
-    out["w_o"] = xp.empty_like(o)
-    for n in range(lay.layers):
-        out["w_o"][n] = layout_mma.pack_o_groups(xp, o[n]).reshape(o.shape[1:])
+    _retile(xp, lay, out, "w_o", lambda m: layout_mma.pack_o_groups(xp, m))
 
 
 def repack(xp, lay, out: dict) -> None:
     """pack_weights for mma_mlp: w_gu in tiles (the plain rows move to w_gu_prefill, which the prefill and the
     single-sequence build read), w_dn in this module's down tiles (w_dn_prefill keeps the plain rows)."""
-    gu = out["w_gu"]
-    out["w_gu_prefill"] = gu
-    out["w_gu"] = xp.empty_like(gu)
+    _retile(xp, lay, out, "w_gu", lambda m: layout_mma.pack_gate_up(xp, m[:, 0], m[:, 1]))
     for n in range(lay.layers):
-        out["w_gu"][n] = layout_mma.pack_gate_up(xp, gu[n, :, 0], gu[n, :, 1]).reshape(gu.shape[1:])
         out["w_dn"][n] = pack_down(xp, lay, out["w_dn_prefill"][n, :, :lay.inter])
 
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from replicas import layout as L
+from replicas import layout as L, layout_mma_mlp
 from replicas.model import ModelConfig
 from replicas.monokernel_build import launch_args
 from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, import_cupy,
@@ -93,17 +93,10 @@ def regrid_weights(xp, weights: Mapping[str, object], lay, single_lay, config: M
     block tiles follow the grid) from the prefill's plain down rows; and with mma_mlp (a batch-only
     option) the plain gate/up rows the prefill reads too (layout_mma_mlp.repack)."""
     own_down = single_lay.fused_mlp and (single_lay.num_sms != lay.num_sms or lay.mma_mlp)
-    if not own_down and not (lay.mma_mlp or lay.mma_lm or lay.mma_qkv or lay.mma_o):
+    copies = layout_mma_mlp.plain_copies(lay)
+    if not own_down and not copies:
         return weights
-    out = dict(weights)
-    if lay.mma_mlp:
-        out["w_gu"] = weights["w_gu_prefill"]
-    if lay.mma_lm:  # (and the LM head: mma_lm)
-        out["w_lm"] = weights["w_lm_prefill"]
-    if lay.mma_qkv:  # (and QKV: mma_qkv)
-        out["w_qkv"] = weights["w_qkv_prefill"]
-    if lay.mma_o:  # (and O by kv group: mma_o)
-        out["w_o"] = weights["w_o_groups"]
+    out = {**weights, **{name: weights[plain] for name, plain in copies.items()}}
     if own_down:
         dn = weights["w_dn_prefill"]  # [L][H][Ip] plain down rows
         out["w_dn"] = xp.empty_like(weights["w_dn"])

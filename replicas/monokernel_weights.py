@@ -114,7 +114,7 @@ def pack_weights(xp, layout: KernelLayout, config: ModelConfig, tensors: Mapping
     if lay.mma:  # the kernel's tensor-core tiles (layout_mma.py); the prefill keeps the plain rows
         _repack_mma(xp, lay, out, head)
     elif lay.mma_lm:  # the LM head alone in tiles; the prefill and the single-sequence build read the plain rows
-        out["w_lm_prefill"] = _plain_lm(xp, lay, head)
+        out[layout_mma_mlp.plain_copies(lay)["w_lm"]] = _plain_lm(xp, lay, head)
         out["w_lm"] = layout_mma.pack_lm(xp, lay, head).reshape(shapes["w_lm"])
     elif lay.hp == H:
         out["w_lm"] = xp.ascontiguousarray(head)  # tied + unpadded: the embedding is the LM head
