@@ -211,9 +211,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
     tok[0] = tp_choose(p, s_red, step, cancelled);
     if (p.mode == MK_MODE_TOPKP) tp_gather_logits(p, p.logits + (long long)step * p.logits_per_step, exchanges);
     const float* all_logits = p.tp_local + MK_TP_OFF_LOGITS;  // indexed by global id
+#elif MK_BATCH > 1
+    reduce_best_slots(p, s_act, live, tok);
 #else
-#pragma unroll
-    for (int b = 0; b < kB; b++) tok[b] = ((live >> b) & 1u) ? reduce_best(p, s_red, b) : 0;
+    tok[0] = reduce_best(p, s_red, 0);
 #endif
     bool any_topkp = false;
 #pragma unroll
@@ -235,6 +236,48 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       for (int b = 0; b < kB; b++)
         if (((live >> b) & 1u) && MK_SLOT(p, b, mode) == MK_MODE_TOPKP) tok[b] = __ldcg(p.shared_token + b);
     }
+#if MK_BATCH > 1
+    {  // every slot decided first, then block 0 emits them all behind two system fences (not two a slot)
+      static_assert(MK_TP == 1, "batch builds are single-GPU");
+      int status[kB];
+#pragma unroll
+      for (int b = 0; b < kB; b++) {
+        status[b] = 0;
+        if (!((live >> b) & 1u)) continue;
+        const int n = MK_SLOT_STEP0(p, b) + step;
+        const bool last = n + 1 >= MK_SLOT(p, b, max_steps) || slot_pos(p, b, step) + 1 >= MK_MAX_CTX;
+        if (__ldcg(p.cancel_step + b) != 0) status[b] = MK_STATUS_CANCELLED;
+        else if (!p.teacher && slot_is_stop(p, b, tok[b])) status[b] = MK_STATUS_STOP;
+        else if (last) status[b] = MK_STATUS_LENGTH;
+        if (p.teacher && !last) tok[b] = p.forced[b * MK_MAX_CTX + n];
+      }
+      if (blockIdx.x == 0 && threadIdx.x == 0) {
+        // per slot as in B = 1: its token before its count, its status before its done flag
+        bool any_status = false;
+        for (int b = 0; b < kB; b++) {
+          if (!((live >> b) & 1u) || status[b] == MK_STATUS_CANCELLED || status[b] == MK_STATUS_STOP) continue;
+          const int n = MK_SLOT_STEP0(p, b) + step;
+          p.tokens[b * MK_MAX_CTX + n] = tok[b];
+          p.host_tokens[b * MK_MAX_CTX + n] = tok[b];
+        }
+        __threadfence_system();
+        for (int b = 0; b < kB; b++) {
+          if (!((live >> b) & 1u)) continue;
+          volatile int* ctrl = p.host_ctrl + b * MK_CTRL_WORDS;
+          if (status[b] != MK_STATUS_CANCELLED && status[b] != MK_STATUS_STOP) ctrl[MK_CTRL_COUNT] = MK_SLOT_STEP0(p, b) + step + 1;
+          if (status[b]) { ctrl[MK_CTRL_STOP_TOKEN] = tok[b]; ctrl[MK_CTRL_STATUS] = status[b]; any_status = true; }
+        }
+        if (any_status) {
+          __threadfence_system();
+          for (int b = 0; b < kB; b++)
+            if (((live >> b) & 1u) && status[b]) reinterpret_cast<volatile int*>(p.host_ctrl)[b * MK_CTRL_WORDS + MK_CTRL_DONE] = 1;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kB; b++)
+        if (status[b]) { live &= ~(1u << b); tok[b] = 0; }
+    }
+#else
 #pragma unroll
     for (int b = 0; b < kB; b++) {
       if (!((live >> b) & 1u)) continue;
@@ -266,6 +309,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
       }
       if (status) { live &= ~(1u << b); tok[b] = 0; }
     }
+#endif  // MK_BATCH > 1
 #if MK_RESIDENT
     // No slot left: end, or (p.idle_ns > 0) wait at the next boundary for a request to join. The layers
     // still run, empty: the weight stream has run ahead into them (restarting it instead costs registers:

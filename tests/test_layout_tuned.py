@@ -84,11 +84,19 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
         assert batch_options(c) == TUNED_BATCH
         lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c), "batch": 4}))
         assert lay.mma_mlp and lay.mma_lm and lay.norm_once and lay.ao_slots and not lay.gu_il
+        assert lay.mma_qkv and lay.mma_o
     c = preset_config("llama-3.2-1b")
     assert batch_options(c, {"gu_il": True}) == {**TUNED_BATCH_CUDA_CORES, "gu_il": True}  # asked for: CUDA cores
     assert batch_options(c, {"mma_mlp": False}) == {**TUNED_BATCH_CUDA_CORES, "mma_mlp": False}
     assert batch_options(c, {"mma": True}) == {"mma": True}
     assert batch_options(c, {"norm_once": False}) == {**TUNED_BATCH, "norm_once": False}  # explicit choices win
+    # turning off what mma_qkv / mma_o build on leaves them out instead of refusing the layout
+    for off, dropped in (({"qkv_flags": True}, {"mma_qkv", "mma_o"}), ({"o_align": False}, {"mma_o"}),
+                         ({"fused_attn_o": False}, {"mma_o"})):
+        opts = batch_options(c, off)
+        assert opts == {**{k: v for k, v in TUNED_BATCH.items() if k not in dropped}, **off}
+    lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c, {"o_align": False}), "batch": 4}))
+    assert lay.mma_qkv and not lay.mma_o
     odd = ModelConfig.from_hf_dict({**PRESETS["llama-3.2-1b"], "vocab_size": 128_250}, source="odd vocab")
     assert batch_options(odd) == TUNED_BATCH_CUDA_CORES  # (the LM head's tiles need a multiple of 16)
 
