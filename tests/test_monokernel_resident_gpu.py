@@ -2,8 +2,9 @@
 join a running batch kernel while it decodes, their prefill on the SMs the resident builds leave free.
 
 Oracles as tests/test_monokernel_batch_gpu.py: the single-sequence engine on every SM (each request's
-greedy tokens exactly; teacher-forced logits within SAME = 1e-4, fp32 rounding of the fixed-point sums
-and the attention combine) and transformers in fp32 (TOL = 2e-2). The resident engine's batch builds
+greedy tokens exactly, or up to a near tie where the batch builds round matvec inputs to bf16 as the
+tensor-core defaults do: assert_tokens; teacher-forced logits within the batch tests' slot_tolerance,
+at least GRID) and transformers in fp32 (TOL = 2e-2). The resident engine's batch builds
 run on `132 - PREFILL_SMS` SMs with their own fused-down packing, its single build on all of them with
 the other: both packings are checked. Marked `gpu` (CI deselects it; the CPU side is
 tests/test_monokernel_resident_cpu.py).
@@ -24,7 +25,8 @@ from replicas.monokernel_resident import JOIN_MODE_TOL
 # single engine's 132: fp32 sums in another order, measured 1.5e-4 of the max logit on llama-3.2-1b over 180
 # positions (same grid: SAME = 1e-4); still 25x below bf16's step, and transformers is checked at TOL.
 GRID = 3e-4
-from tests.test_monokernel_batch_gpu import BATCH, SAME, TOL, rel  # the batch tests' oracle tolerances
+from tests.test_monokernel_batch_gpu import (BATCH, SAME, TOL, assert_tokens, rel,  # the batch tests' oracles
+                                             slot_tolerance)
 
 
 @pytest.fixture(scope="module", params=["tiny", "llama-3.2-1b"])
@@ -60,7 +62,8 @@ def test_teacher_forced_slots_on_the_resident_grid_match_single_and_transformers
     got = res.forward_logits_slots(seqs)
     for s, g in zip(seqs, got):
         assert g.shape == (len(s), one.config.vocab_size) and np.isfinite(g).all()
-        assert rel(g, one.forward_logits(s)) <= GRID
+        # (the batched engine's tensor-core defaults round their matvec inputs to bf16: slot_tolerance)
+        assert rel(g, one.forward_logits(s)) <= max(GRID, slot_tolerance(res.gpu.layout))
     assert rel(got[0], hf_logits(path, seqs[0])) <= TOL
 
 
@@ -89,14 +92,14 @@ def test_requests_join_the_running_launch_and_get_the_single_engines_tokens(engi
     outs = [h + list(g) for h, g in zip(heads, gens)]
     from tests.test_monokernel_sessions_gpu import assert_same_greedy
 
-    for p, n, o in zip(ps, lens, outs):
-        assert o == list(one.generate(p, greedy(n)))
+    for p, n, o in zip(ps, lens, outs):  # exactly, or up to a near tie with bf16 matvec inputs (assert_tokens)
+        assert_tokens(res, one, p, o, list(one.generate(p, greedy(n))))
     for p, n, o in zip(ps[3:], lens[3:], outs_late):
         want = list(one.generate(p, greedy(n)))
         if res._joiner.mode != "tensor":  # mma / SIMT join GEMMs sum in another order: may part at a near tie
             assert_same_greedy(one, p, o, want)
         else:
-            assert o == want
+            assert_tokens(res, one, p, o, want)
     print(f"three joins into a running launch and their {sum(lens[3:])} tokens: {joined_s * 1e3:.1f} ms")
 
 
@@ -122,7 +125,7 @@ def test_a_sessions_turns_join_the_running_launch_and_turn_two_equals_a_fresh_re
     out2 = list(g2)
     assert (res.launches, res.resident_joins) == (launches, joins + 2)
     assert g2.reused_tokens == len(prompt) + len(out1) - 1
-    assert out1 == list(one.generate(prompt, greedy(16)))
+    assert_tokens(res, one, prompt, out1, list(one.generate(prompt, greedy(16))))
     # turn 2's first rows come from the kernel's own K/V, a fresh prefill's from cuBLAS: bf16-level apart
     assert_same_greedy(one, turn2, out2, list(one.generate(turn2, greedy(16))))
     for g in running:
