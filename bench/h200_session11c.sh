@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (Ran once in session 11 at f9876d6: dn_group lost, -0.4% to -5.3%, and was removed; the script needs that commit.)
 # Session 11's third one-H200 call (issue 9): layout option dn_group (the down partials of G blocks summed by the
 # last of them before the int64 atomics; csrc/mk_mlp_mma.cuh) A/B on the batched engine's defaults: 1B at B = 4
 # (G = 2, 4) and B = 8 (G = 4), 8B at B = 4 (G = 4); the batch gpu tests with dn_group=4; the B = 4 timeline with

@@ -17,29 +17,7 @@
 #include "mk_block_mma.cuh"
 #include "mk_timeline.cuh"
 
-#ifndef MK_DN_GROUP
-#define MK_DN_GROUP 0  // layout option dn_group (flag emitted only when > 1)
-#endif
-
 #if MK_MMA_MLP
-#if MK_DN_GROUP > 1
-// dn_group: the down's int64 atomics bound a batch build's MLP (each block adds every (hidden row, slot): 1.08 M
-// atomics per layer at B = 4 on 1B, at the L2's atomic rate). Warp w of every block owns the same output tiles
-// (dn_share), so the G blocks of a group first sum their partials: each warp stores its tiles' partials (one
-// float4 per lane and tile, in h_buf), counts itself in; the group's last warp to arrive adds the G partials in
-// block order (deterministic, whoever is last) and issues the atomics, G times fewer. Nobody waits: the first
-// arrivers store and go on. The last resets the counter before it reaches the MLP barrier, which the group's
-// next arrivals follow. Layout: replicas/layout_mma_mlp.py dn_group_floats.
-constexpr int kDnTpw = (MK_H / 16 + kStreamWarps - 1) / kStreamWarps;  // most output tiles a warp owns
-MK_DEVICE float4* dn_group_part(const MkParams& p, int gw, int t) {
-  return reinterpret_cast<float4*>(p.h_buf) + ((long long)gw * kDnTpw + t) * 32;
-}
-MK_DEVICE unsigned* dn_group_count(const MkParams& p, int group, int w) {
-  return reinterpret_cast<unsigned*>(p.h_buf) + (long long)gridDim.x * kStreamWarps * kDnTpw * 32 * 4 +
-         group * kStreamWarps + w;
-}
-#endif
-
 // After the ln2 prologue stored the normed x in B-fragment order at s_act: this block's gate/up and down.
 MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, unsigned turn, unsigned live
                              MK_TL_PARAM) {
@@ -66,27 +44,6 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
         mma_16816(d, a, x);
         st.release(p);
       }
-#if MK_DN_GROUP > 1
-      if (2 * tq < kB) __stcg(dn_group_part(p, st.gw, o - s.o0) + lane, make_float4(d[0], d[1], d[2], d[3]));
-    }
-    const int w = st.gw % kStreamWarps, group = blockIdx.x / MK_DN_GROUP, first = group * MK_DN_GROUP;
-    const int members = min(MK_DN_GROUP, (int)gridDim.x - first);
-    __threadfence();  // this lane's partials before the count that lets the last warp read them
-    __syncwarp();
-    unsigned arrived = 0;
-    if (lane == 0) arrived = atomicAdd(dn_group_count(p, group, w), 1u);
-    arrived = __shfl_sync(0xffffffffu, arrived, 0);
-    if (arrived == (unsigned)members - 1) {
-      if (lane == 0) atomicExch(dn_group_count(p, group, w), 0u);
-      __threadfence();  // the others' partials after their counts
-      for (int o = s.o0; o < s.o1; o++) {
-        if (2 * tq >= kB) break;
-        float d[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int m = 0; m < members; m++) {  // in block order
-          const float4 v = __ldcg(dn_group_part(p, (first + m) * kStreamWarps + w, o - s.o0) + lane);
-          d[0] += v.x; d[1] += v.y; d[2] += v.z; d[3] += v.w;
-        }
-#endif
       // lane (g, tq): hidden rows 16 o + g (d0, d1) and 16 o + g + 8 (d2, d3), slots 2 tq and 2 tq + 1
 #pragma unroll
       for (int e = 0; e < 4; e++) {
@@ -96,9 +53,6 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
                     (unsigned long long)__float2ll_rn(d[e] * kFxScale));
       }
     }
-#if MK_DN_GROUP > 1
-    }
-#endif
   }
   MK_TL_AT(tl, 13);
 }

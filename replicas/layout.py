@@ -158,7 +158,6 @@ class KernelLayout:
     mma_lm: bool = False  # batch builds: the LM head on tensor cores (layout_mma.py tiles, bf16 input)
     mma_qkv: bool = False  # batch builds: QKV on tensor cores, block-tiled k-split (layout_mma_mlp.py)
     mma_o: bool = False  # batch builds: O-proj on tensor cores, block-tiled per kv group (layout_mma_mlp.py)
-    dn_group: int = 0  # mma_mlp: G blocks' down partials summed by the last of them before the int64 atomics (0: off)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -175,7 +174,7 @@ class KernelLayout:
                     dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
-                    mma_o: bool = False, dn_group: int = 0) -> KernelLayout:
+                    mma_o: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -202,7 +201,7 @@ class KernelLayout:
                    norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident),
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
-                   mma_o=bool(mma_o), dn_group=int(dn_group))
+                   mma_o=bool(mma_o))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -439,8 +438,6 @@ class KernelLayout:
             defs["MK_VT"] = layout_mma.vocab_rows(self)
         if self.dn_passes > 1:
             defs["MK_DN_PASSES"] = self.dn_passes
-        if self.dn_group > 1:
-            defs["MK_DN_GROUP"] = self.dn_group
         if self.norm_early:
             defs["MK_NORM_EARLY"] = 1
         if self.ao_preload:
@@ -460,7 +457,7 @@ class KernelLayout:
             "xbuf": 2 * b * self.hp,
             "qkv_part": b * self.qkv_rows * s["qkv"],
             "o_part": 2 * b * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
-            "h_buf": layout_mma_mlp.dn_group_floats(self) or self.ip,  # (dn_group's scratch: the fused MLP has no h_buf)
+            "h_buf": self.ip,
             "dn_part": 4 * b * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,
             "attn_m": b * self.kv_heads * nsplit * self.group,

@@ -72,18 +72,6 @@ def mma_o_error(lay) -> str | None:
     return None
 
 
-def dn_group_floats(lay) -> int:
-    """dn_group's scratch in the h_buf work buffer (csrc/mk_mlp_mma.cuh), in 4-byte words: every streaming warp's
-    down partials, one float4 per lane and output tile it owns ([blocks][warps][tiles per warp][32] float4), then
-    one arrival counter per (block group, warp). 0 when dn_group is off."""
-    if lay.dn_group < 2:
-        return 0
-    warps = lay.warps_per_block
-    tiles_per_warp = -(-(lay.hidden // TILE) // warps)
-    groups = -(-lay.num_sms // lay.dn_group)
-    return lay.num_sms * warps * tiles_per_warp * 32 * 4 + groups * warps
-
-
 def o_block_units(lay, b: int) -> tuple[int, int]:
     """Block b's O tiles [v0, v1) (unit g * hidden/16 + t, layout_mma.pack_o_groups): o_align gives kv group g the
     blocks [g nb / NKV, (g + 1) nb / NKV), which share its tiles evenly (csrc/mk_stream.cuh o_block_units)."""

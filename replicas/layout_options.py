@@ -7,8 +7,7 @@ from replicas import layout_attn_o, layout_fused
 
 
 def option_error(lay) -> str | None:
-    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / dn_group / resident / act_bf16,
-    or None."""
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -28,9 +27,6 @@ def option_error(lay) -> str | None:
         return "norm_once changes the batch prologue (every slot's residual loaded once): it needs batch > 1"
     if lay.resident and lay.batch == 1:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
-    if lay.dn_group and not (2 <= lay.dn_group <= 16 and lay.mma_mlp):
-        return (f"dn_group={lay.dn_group}: the down partials of 2..16 blocks summed before their atomics need mma_mlp "
-                "(a batch build's tensor-core MLP); use dn_group=0")
     if lay.dn_passes != 1:
         geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
         if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):

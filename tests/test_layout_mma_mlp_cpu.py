@@ -99,7 +99,7 @@ def test_the_single_build_gets_the_plain_gate_up_and_its_own_down():
     want = pack_weights(np, single, cfg, tensors)
     for extra in ({"mma_qkv": False, "mma_o": False}, {}):  # (every tensor-core option re-tiles its matrix)
         lay = mlp_layout(num_sms=4, **{**TUNED_BATCH, **extra})
-        assert all(k in BATCH_ONLY_OPTIONS for k in {**TUNED_BATCH, **extra, "dn_group": 4})
+        assert all(k in BATCH_ONLY_OPTIONS for k in {**TUNED_BATCH, **extra})
         packed = pack_weights(np, lay, cfg, tensors)
         got = regrid_weights(np, packed, lay, single, cfg)
         for name in ("w_gu", "w_dn", "w_qkv", "w_o", "w_lm"):
@@ -217,46 +217,6 @@ def test_mma_qkv_and_mma_o_slots_match_the_single_kernel():
         KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"mma_qkv": True}))
     with pytest.raises(LayoutError, match="mma_o puts a batch build's O-proj on tensor cores"):
         KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"batch": 4, "mma_o": True}))
-
-
-@needs_gxx
-def test_dn_group_sums_the_blocks_down_partials_before_the_atomics():
-    """dn_group=G on the batched engine's defaults: the last of a group's G blocks to finish adds their down partials
-    in block order, then the int64 atomics; on 6 blocks G = 2 (three full groups) and G = 4 (one of 4, one of 2). Each
-    slot's logits stay within fp32 rounding of the defaults' (the partials meet in fp32 before their fixed-point
-    rounding, a 2^-32 difference that the fp32 residual mostly rounds away: measured equal; bound 1e-4, the
-    batch-vs-single fp32 bound; a group whose last warp never fired would lose part of every down and land far
-    outside, checked by breaking the count), over 2 layers x ~25 steps, so the counters' reset is exercised; the same
-    logits twice (whoever arrives last, the sum is the same)."""
-    from replicas.layout_tuned import TUNED_BATCH
-    from replicas.monokernel_emu import EmuModel
-    from tests.test_monokernel_emu_cpu import rel, small_family
-
-    cfg, bits, _ = small_family("llama-3.2-1b", intermediate_size=768)
-    rng = np.random.default_rng(43)
-    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (25, 16, 21)]
-
-    def run(**o):
-        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, **o}, num_sms=6)
-        assert m.layout.dn_group == o.get("dn_group", 0)
-        return m.forward_logits_slots(seqs)
-
-    base = run()
-    for g in (2, 4):
-        got = run(dn_group=g)
-        for a, b in zip(got, base):
-            assert rel(a, b) <= 1e-4, g
-        assert all(np.array_equal(a, b) for a, b in zip(got, run(dn_group=g)))
-    for bad in ({"dn_group": 1}, {"dn_group": 17}):
-        with pytest.raises(LayoutError, match="dn_group=.* need mma_mlp"):
-            KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"batch": 4, **TUNED_BATCH, **bad}))
-    with pytest.raises(LayoutError, match="dn_group=2: .* need mma_mlp"):
-        KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"batch": 4, "dn_group": 2}))
-    lay = KernelLayout.from_config(cfg, 256, num_sms=6, **engine_options(cfg, {"batch": 4, **TUNED_BATCH, "dn_group": 4}))
-    assert "-DMK_DN_GROUP=4" in lay.compile_flags()
-    # [6 blocks][warps][tiles per warp][32 lanes] float4 partials, then one counter per (group, warp)
-    w = lay.warps_per_block
-    assert lay.buffer_sizes()["h_buf"] == 6 * w * -(-(128 // 16) // w) * 32 * 4 + 2 * w
 
 
 @needs_gxx
