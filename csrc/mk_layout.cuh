@@ -43,8 +43,13 @@ constexpr int kActVec = MK_ACT_VEC;  // shared floats of one slot's matvec input
 #else
 constexpr int kActVec = 0;  // one slot: its input at s_act itself
 #endif
-// Shared floats every slot's matvec inputs take (mma: bf16, half; layout.py act_floats)
-constexpr int kVecFloats = MK_MMA ? kB * kActVec / 2 : kB * kActVec;
+// Shared floats every slot's matvec inputs take: half when all of them are bf16 in B-fragment order (mma, or
+// mma_qkv + mma_o + mma_mlp + mma_lm: no phase stages an fp32 vector; layout.py bf16_vectors, act_floats)
+#if MK_MMA || (MK_MMA_QKV && MK_MMA_O && MK_MMA_MLP && MK_MMA_LM)
+constexpr int kVecFloats = kB * kActVec / 2;
+#else
+constexpr int kVecFloats = kB * kActVec;
+#endif
 
 constexpr int kChunk = 256;                 // bf16 elements per warp-wide 16-byte load
 constexpr int kWarps = MK_THREADS / 32;     // warps per block

@@ -282,7 +282,7 @@ class KernelLayout:
         fused = layout_fused.act_floats(self) if self.fused_mlp else 0
         attn_o = layout_attn_o.act_floats(self) if self.fused_attn_o else 0
         if self.batch > 1:  # per-slot matvec inputs side by side, then the fused MLP's h slices (mk_batch.cuh)
-            vectors = self.batch * self.act_vec // (2 if self.mma else 1)  # mma: bf16 inputs (kVecFloats)
+            vectors = self.batch * self.act_vec // (2 if self.bf16_vectors else 1)  # (kVecFloats)
             fx_h = max(layout_fused.part_floats(self), vectors)
             # mma_mlp: the h slices are bf16 (half); then the block-tiled matvecs' pieces (csrc/mk_block_mma.cuh)
             h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp else 1)
@@ -291,6 +291,13 @@ class KernelLayout:
                        vectors + 2 * self.group * MAX_ATTN_SPLITS,
                        self.attn_floats)
         return max(self.hp, self.qp, h_stage, self.attn_floats, combine, fused, attn_o)
+
+    @property
+    def bf16_vectors(self) -> bool:
+        """Whether every per-slot matvec input a batch build stages is bf16 in B-fragment order (mma, or all four
+        of mma_qkv, mma_o, mma_mlp and mma_lm): they then take half the shared memory, which the weight ring gets
+        (mirrors kVecFloats in csrc/mk_layout.cuh)."""
+        return self.mma or (self.mma_qkv and self.mma_o and self.mma_mlp and self.mma_lm)
 
     @property
     def act_vec(self) -> int:
