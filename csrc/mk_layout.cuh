@@ -44,8 +44,12 @@ constexpr int kActVec = MK_ACT_VEC;  // shared floats of one slot's matvec input
 constexpr int kActVec = 0;  // one slot: its input at s_act itself
 #endif
 // Shared floats every slot's matvec inputs take: half when all of them are bf16 in B-fragment order (mma, or
-// mma_qkv + mma_o + mma_mlp + mma_lm: no phase stages an fp32 vector; layout.py bf16_vectors, act_floats)
-#if MK_MMA || (MK_MMA_QKV && MK_MMA_O && MK_MMA_MLP && MK_MMA_LM)
+// layout option half_vec on mma_qkv + mma_o + mma_mlp + mma_lm: no phase stages an fp32 vector; layout.py
+// bf16_vectors, act_floats)
+#if MK_HALF_VEC
+static_assert(MK_MMA_QKV && MK_MMA_O && MK_MMA_MLP && MK_MMA_LM, "half_vec: every staged input bf16");
+#endif
+#if MK_MMA || MK_HALF_VEC
 constexpr int kVecFloats = kB * kActVec / 2;
 #else
 constexpr int kVecFloats = kB * kActVec;

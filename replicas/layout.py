@@ -73,7 +73,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 # Layout options that only switch a code path on: (field, the -D flag set to 1 when on; emitted only then, so builds
 # without them keep their flags and cubins)
-SWITCH_FLAGS = (("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
+SWITCH_FLAGS = (("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
                 ("param_value", "MK_PARAM_VALUE"), ("div32", "MK_DIV32"), ("gu_il", "MK_GU_IL"),
                 ("o_align", "MK_O_ALIGN"), ("zero_spread", "MK_ZERO_SPREAD"))
 
@@ -158,6 +158,7 @@ class KernelLayout:
     mma_lm: bool = False  # batch builds: the LM head on tensor cores (layout_mma.py tiles, bf16 input)
     mma_qkv: bool = False  # batch builds: QKV on tensor cores, block-tiled k-split (layout_mma_mlp.py)
     mma_o: bool = False  # batch builds: O-proj on tensor cores, block-tiled per kv group (layout_mma_mlp.py)
+    half_vec: bool = False  # all-tensor-core batch builds: the staged bf16 slot inputs in half the shared memory
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -174,7 +175,7 @@ class KernelLayout:
                     dn_passes: int = 1, norm_early: bool = False, ao_preload: bool = False,
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
-                    mma_o: bool = False) -> KernelLayout:
+                    mma_o: bool = False, half_vec: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -201,7 +202,7 @@ class KernelLayout:
                    norm_early=bool(norm_early), ao_preload=bool(ao_preload), resident=bool(resident),
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
-                   mma_o=bool(mma_o))
+                   mma_o=bool(mma_o), half_vec=bool(half_vec))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -294,10 +295,10 @@ class KernelLayout:
 
     @property
     def bf16_vectors(self) -> bool:
-        """Whether every per-slot matvec input a batch build stages is bf16 in B-fragment order (mma, or all four
-        of mma_qkv, mma_o, mma_mlp and mma_lm): they then take half the shared memory, which the weight ring gets
-        (mirrors kVecFloats in csrc/mk_layout.cuh)."""
-        return self.mma or (self.mma_qkv and self.mma_o and self.mma_mlp and self.mma_lm)
+        """Whether the per-slot matvec inputs a batch build stages take half the shared memory: mma, or half_vec
+        (needs all four of mma_qkv, mma_o, mma_mlp and mma_lm: every input is then bf16 in B-fragment order);
+        the weight ring gets what they free (mirrors kVecFloats in csrc/mk_layout.cuh)."""
+        return self.mma or self.half_vec
 
     @property
     def act_vec(self) -> int:

@@ -29,7 +29,8 @@ from replicas.monokernel_resident import PREFILL_SMS, Admissions
 from replicas.layout_fused import pack_down_fused
 
 
-BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o")  # layout options the single-sequence build does not take
+BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
+                      "half_vec")  # layout options the single-sequence build does not take
 
 
 @dataclass

@@ -220,6 +220,32 @@ def test_mma_qkv_and_mma_o_slots_match_the_single_kernel():
 
 
 @needs_gxx
+def test_half_vec_moves_only_offsets_and_gives_the_ring_the_rest():
+    """half_vec: with every matvec input on tensor cores (the batch defaults) the staged slot vectors are bf16, so they
+    take half the shared memory and the weight ring the rest; only offsets move, so the logits are the defaults'
+    bit for bit (CPU emulation, 5 blocks, three slots). On the real shapes the ring deepens (8B B = 8: 9 -> 17)."""
+    from replicas.layout_tuned import TUNED_BATCH
+    from replicas.monokernel_emu import EmuModel
+    from tests.test_monokernel_emu_cpu import small_family
+
+    cfg, bits, _ = small_family("llama-3.2-1b", intermediate_size=768)
+    rng = np.random.default_rng(47)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (23, 17, 20)]
+    run = lambda **o: EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, **o},
+                               num_sms=5).forward_logits_slots(seqs)
+    assert all(np.array_equal(a, b) for a, b in zip(run(), run(half_vec=True)))
+    for preset, b, before, after in (("llama-3.1-8b", 8, 9, 17), ("llama-3.2-1b", 8, 17, 21), ("llama-3.2-1b", 4, 23, 25)):
+        c = preset_config(preset)
+        lays = [KernelLayout.from_config(c, 2048, **engine_options(c, {**TUNED_BATCH, "batch": b, **o}))
+                for o in ({}, {"half_vec": True})]
+        assert [lay.ring_slots for lay in lays] == [before, after], preset
+        assert "-DMK_HALF_VEC=1" in lays[1].compile_flags() and "-DMK_HALF_VEC=1" not in lays[0].compile_flags()
+    with pytest.raises(LayoutError, match="half_vec .* needs mma_qkv, mma_o, mma_mlp and mma_lm"):
+        KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"batch": 4, **TUNED_BATCH, "mma_o": False,
+                                                                  "half_vec": True}))
+
+
+@needs_gxx
 def test_norm_once_is_bit_identical_and_mma_lm_within_bf16_distance():
     """norm_once only reorders the batch prologue's loads: the same logits bit for bit. mma_lm rounds the LM head's
     input to bf16 (measured 1.5-1.8e-3 from the single kernel; bound 1e-2, half the transformers
