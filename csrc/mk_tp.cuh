@@ -36,10 +36,10 @@ constexpr int kSumO = MK_TP, kSumDN = MK_TP;
 #define MK_O_SRC(p) ((p).tp_local + MK_TP_OFF_RECV_O)
 #define MK_DN_SRC(p) ((p).tp_local + MK_TP_OFF_RECV_DN)
 
-#ifdef MK_EMU  // (one process: the peers' words are plain memory)
+#ifdef MK_EMU  // (one process, a rank per OS thread: the peers' words are host memory; monokernel_emu_tp.py)
 MK_DEVICE unsigned ld_acquire_sys(const unsigned* p) { return mk_emu_ld_acquire(p); }
-MK_DEVICE void st_release_sys(unsigned* p, unsigned v) { *(volatile unsigned*)p = v; }
-MK_DEVICE void red_release_sys_add(unsigned* p, unsigned v) { *p += v; }
+MK_DEVICE void st_release_sys(unsigned* p, unsigned v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+MK_DEVICE void red_release_sys_add(unsigned* p, unsigned v) { __atomic_fetch_add(p, v, __ATOMIC_RELEASE); }
 #else
 MK_DEVICE unsigned ld_acquire_sys(const unsigned* p) {
   unsigned v;

@@ -99,12 +99,18 @@ class EmuModel:
         self.__dict__.update(kernel_buffers(np, lay, c, self.max_context))
         self.host_tokens = np.zeros(self.max_context, np.int32)
         self.host_ctrl = np.zeros(L.CTRL_WORDS, np.int32)
+        self.tp_params: dict[str, int] = {}  # tp_local, tp_peers, tp_rank (set by monokernel_emu_tp.EmuTpGroup)
 
-    def launch(self, x_last: np.ndarray, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
-               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None,
-               logits: np.ndarray | None = None, max_switches: int = 10**10) -> None:
+    def launch(self, x_last: np.ndarray, start_pos: int, max_steps: int, *, max_switches: int = 10**10,
+               **kw) -> None:
         """GpuModel.launch, run to completion (tokens in host_tokens, status in host_ctrl)."""
+        self._run(self.lib, self.layout, self.launch_params(x_last, start_pos, max_steps, **kw), max_switches)
+
+    def launch_params(self, x_last: np.ndarray, start_pos: int, max_steps: int, *, mode: int = L.MODE_GREEDY,
+                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                      stop_ids: Sequence[int] = (), forced: Sequence[int] | None = None,
+                      logits: np.ndarray | None = None) -> np.ndarray:
+        """GpuModel.launch's buffer resets and parameter block (the launch itself is `_run`'s)."""
         lay, w = self.layout, self.work
         w["xbuf"][:] = 0
         w["xbuf"][:self.config.hidden_size] = x_last
@@ -120,8 +126,9 @@ class EmuModel:
             "teacher": int(forced is not None), "mode": mode, "top_k": top_k, "seed": seed,
             "inv_temperature": inv_temperature(temperature), "top_p": top_p,
             "logits_per_step": self.config.vocab_size if logits is not None else 0, "step0": 0,
+            **self.tp_params,
         }
-        self._run(self.lib, lay, param_block(lay.param_fields(), ptrs, scalars), max_switches)
+        return param_block(lay.param_fields(), ptrs, scalars)
 
     def forward_logits_slots(self, seqs: Sequence[Sequence[int]], prefill_len: int = 16) -> list[np.ndarray]:
         """A batch build (layout option batch = B): teacher-forced logits of up to B sequences decoded in one

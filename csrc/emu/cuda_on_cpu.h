@@ -126,8 +126,10 @@ inline T __shfl_sync(unsigned, T v, int src) { return mk_emu_shfl(v, (unsigned)s
 template <class T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) { return mk_emu_shfl(v, mk_emu::lane() ^ (unsigned)mask); }
 
-inline void __threadfence() {}
-inline void __threadfence_system() {}
+// Fences order this fiber's memory operations for other OS threads too: the tensor-parallel emulation runs each
+// rank's grid on its own OS thread (replicas/monokernel_emu_tp.py), and the peers read what a rank published.
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 // A resident launch's idle wait (csrc/mk_batch.cuh): real time and a real sleep, so the host thread that
 // writes the admission words runs meanwhile.
 inline unsigned long long mk_emu_real_ns() {
@@ -176,7 +178,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {  // round to nearest even (N
 inline void mk_emu_cp_async16(void* smem, const void* gmem) { memcpy(smem, gmem, 16); }
 inline unsigned mk_emu_ld_acquire(const unsigned* p) {
   mk_emu::yield();  // a spin load: let the fiber being waited for run
-  return *(const volatile unsigned*)p;
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);  // (a peer rank's OS thread may have written it)
 }
 inline unsigned long long mk_emu_globaltimer() { return mk_emu::clock_ns += 1000; }
 // mma.m16n8k16 bf16 -> fp32 for the warp: every lane deposits its fragments, each computes its own
