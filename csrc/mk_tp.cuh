@@ -55,6 +55,26 @@ MK_DEVICE void red_release_sys_add(unsigned* p, unsigned v) {
 #endif
 MK_DEVICE unsigned* tp_words(float* region, int off) { return reinterpret_cast<unsigned*>(region + off); }
 
+// Wait until the word `w` (a peer's count or flag) reaches `target`. A peer that died, or whose kernel never
+// started, would keep every GPU of the group spinning forever, with the host none the wiser: after
+// p.tp_timeout_ns the kernel reports STATUS_PEER_TIMEOUT in its host words and traps, which ends every block
+// of this grid at once (its blocks may be anywhere in the step; only a trap stops them all) and loses the CUDA
+// context: the host raises EngineFailed and the replica has to be restarted. The peers time out the same way.
+MK_DEVICE void tp_wait(const MkParams& p, const unsigned* w, unsigned target) {
+  if ((int)(ld_acquire_sys(w) - target) >= 0) return;
+  const unsigned long long t0 = global_ns();
+  while ((int)(ld_acquire_sys(w) - target) < 0) {
+    if (global_ns() - t0 > p.tp_timeout_ns) {
+      volatile int* ctrl = p.host_ctrl;
+      ctrl[MK_CTRL_STATUS] = MK_STATUS_PEER_TIMEOUT;
+      __threadfence_system();
+      ctrl[MK_CTRL_DONE] = 1;
+      __threadfence_system();
+      __trap();
+    }
+  }
+}
+
 // The end of a bulk exchange: this block's stores are out; count it at every GPU, then wait
 // until every source has counted all its blocks for exchange number `exchanges`.
 MK_DEVICE void tp_signal_and_wait(const MkParams& p, unsigned& exchanges) {
@@ -68,8 +88,7 @@ MK_DEVICE void tp_signal_and_wait(const MkParams& p, unsigned& exchanges) {
     const unsigned target = exchanges * gridDim.x;
     const unsigned* count = tp_words(p.tp_local, MK_TP_OFF_COUNT);
 #pragma unroll
-    for (int g = 0; g < MK_TP; g++)
-      while ((int)(ld_acquire_sys(count + g) - target) < 0) { }
+    for (int g = 0; g < MK_TP; g++) tp_wait(p, count + g, target);
   }
   __syncthreads();
 }
@@ -152,7 +171,7 @@ MK_DEVICE int tp_choose(const MkParams& p, float* s_red, int step, int& cancel) 
     float bv = -INFINITY; int bi = 0x7fffffff;
 #pragma unroll
     for (int g = 0; g < MK_TP; g++) {
-      while ((int)(ld_acquire_sys(flags + slot + g) - flag) < 0) { }
+      tp_wait(p, flags + slot + g, flag);
       argmax_merge(bv, bi, __ldcg(p.tp_local + MK_TP_OFF_TOKVAL + slot + g),
                    __ldcg(reinterpret_cast<const int*>(p.tp_local) + MK_TP_OFF_TOKID + slot + g));
     }

@@ -30,6 +30,11 @@ class InvalidRequest(EngineError, ValueError):
     """The request cannot be served as given (bad prompt, bad sampling values, too long)."""
 
 
+class EngineFailed(RuntimeError):
+    """The engine can serve nothing more: its GPU kernel faulted or lost a tensor-parallel peer, and the GPU's
+    CUDA context with it. Fatal for the replica (drain it and restart), not a fault of the request."""
+
+
 class EngineBusy(RuntimeError):
     """All of the engine's generation slots (max_batch) are taken; retry when one frees."""
 

@@ -47,6 +47,7 @@ from replicas.layout_params import (  # noqa: F401 (re-exported: the parameter b
     STATUS_LENGTH,
     STATUS_STOP,
     STATUS_CANCELLED,
+    STATUS_PEER_TIMEOUT,
     MODE_GREEDY,
     MODE_GUMBEL,
     MODE_TOPKP,

@@ -41,9 +41,11 @@ PARAM_FIELDS: tuple[tuple[str, str], ...] = (
 )
 
 # Extra fields of a tensor-parallel build (MK_TP > 1), after PARAM_FIELDS: this GPU's exchange
-# region, the device array of all N GPUs' regions (peer addresses, rank order), this GPU's rank.
+# region, the device array of all N GPUs' regions (peer addresses, rank order), this GPU's rank, and how
+# long (ns) a wait for a peer may last before the kernel gives up (csrc/mk_tp.cuh tp_wait).
 TP_PARAM_FIELDS: tuple[tuple[str, str], ...] = (
     ("tp_local", "float*"), ("tp_peers", "float* const*"), ("tp_rank", "long long"),
+    ("tp_timeout_ns", "unsigned long long"),
 )
 # Exchange region of one GPU (4-byte words; peers write into it): per-source arrival counters of
 # the bulk exchanges (all-reduces, logits gather), the per-step token messages (flag, value, id,
@@ -85,6 +87,7 @@ CTRL_COUNT, CTRL_STATUS, CTRL_DONE, CTRL_CANCEL, CTRL_STOP_TOKEN = range(5)
 CTRL_WORDS = 8
 # finish status the kernel writes to host_ctrl[CTRL_STATUS]
 STATUS_LENGTH, STATUS_STOP, STATUS_CANCELLED = 1, 2, 3
+STATUS_PEER_TIMEOUT = 4  # tensor parallel: a peer GPU stopped answering; the kernel trapped (the context is lost)
 # sampling modes
 MODE_GREEDY, MODE_GUMBEL, MODE_TOPKP = 0, 1, 2
 
@@ -125,7 +128,7 @@ def params_header() -> str:
               "MK_KCTL_ADMIT_MASK": KCTL_ADMIT_MASK, "MK_KCTL_ADMIT_ACK": KCTL_ADMIT_ACK, "MK_CTRL_COUNT": CTRL_COUNT, "MK_CTRL_STATUS": CTRL_STATUS, "MK_CTRL_DONE": CTRL_DONE,
               "MK_CTRL_CANCEL": CTRL_CANCEL, "MK_CTRL_STOP_TOKEN": CTRL_STOP_TOKEN,
               "MK_STATUS_LENGTH": STATUS_LENGTH, "MK_STATUS_STOP": STATUS_STOP,
-              "MK_STATUS_CANCELLED": STATUS_CANCELLED, "MK_MODE_GREEDY": MODE_GREEDY,
+              "MK_STATUS_CANCELLED": STATUS_CANCELLED, "MK_STATUS_PEER_TIMEOUT": STATUS_PEER_TIMEOUT, "MK_MODE_GREEDY": MODE_GREEDY,
               "MK_MODE_GUMBEL": MODE_GUMBEL, "MK_MODE_TOPKP": MODE_TOPKP}
     lines += [f"#define {k} {v}" for k, v in consts.items()]
     return "\n".join(lines) + "\n"

@@ -33,6 +33,7 @@ import numpy as np
 from replicas import layout as L
 from replicas.engine import (
     EngineBusy,
+    EngineFailed,
     FinishReason,
     Generation,
     InvalidRequest,
@@ -53,6 +54,7 @@ from replicas.session_cache import (
 )
 
 POLL_SECONDS = 20e-6  # host poll interval for new tokens (a decode step is ~0.6-4 ms)
+CHECK_SECONDS = 0.05  # while no token comes: how often to ask whether the kernel died (GpuModel.check)
 TEACHER_PREFILL = 16  # forward_logits prefills this many tokens; the kernel decodes the rest
 _STATUS = {L.STATUS_LENGTH: FinishReason.LENGTH, L.STATUS_STOP: FinishReason.STOP,
            L.STATUS_CANCELLED: FinishReason.CANCELLED}
@@ -148,6 +150,9 @@ class MonokernelEngine:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:
+        failed = getattr(self, "failed", None)
+        if failed:
+            raise EngineFailed(failed)
         if not self._busy.acquire(blocking=False):
             raise EngineBusy("the monokernel engine is decoding another generation (max_batch=1); "
                              "retry when it finishes")
@@ -252,7 +257,7 @@ class MonokernelEngine:
                        profile=self.profile)
             launched = True
             ctrl, toks = gpu.host_ctrl.array, gpu.host_tokens.array
-            sent = 0
+            sent, checked = 0, time.perf_counter()
             while True:
                 if cancel.is_set():  # stop the kernel; tokens it made meanwhile are dropped
                     ctrl[L.CTRL_CANCEL] = 1
@@ -268,7 +273,20 @@ class MonokernelEngine:
                 if done and sent == count:
                     break
                 if sent == count:
+                    if time.perf_counter() - checked >= CHECK_SECONDS:
+                        try:
+                            gpu.check()
+                        except EngineFailed as e:
+                            launched = False  # (nothing left to stop or wait for)
+                            self.failed = str(e)
+                            raise
+                        checked = time.perf_counter()
                     time.sleep(POLL_SECONDS)
+            if int(ctrl[L.CTRL_STATUS]) == L.STATUS_PEER_TIMEOUT:  # the kernel trapped: do not wait for it
+                launched = False
+                self.failed = ("a tensor-parallel peer GPU stopped answering inside the kernel (waited more than "
+                               "MK_TP_PEER_TIMEOUT_S); the GPUs' CUDA contexts are lost: restart the replica")
+                raise EngineFailed(self.failed)
             gpu.synchronize()
             launched = False
             reason = _STATUS.get(int(ctrl[L.CTRL_STATUS]), FinishReason.LENGTH)

@@ -167,7 +167,10 @@ class EmuModel:
 
     @staticmethod
     def _run(lib, lay: KernelLayout, params: np.ndarray, max_switches: int = 10**10) -> None:
-        if lib.mk_emu_launch(buffer_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches):
+        rc = lib.mk_emu_launch(buffer_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches)
+        if rc == 2:
+            raise RuntimeError("the emulated kernel trapped (__trap: on a GPU, a launch failure)")
+        if rc:
             raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False):

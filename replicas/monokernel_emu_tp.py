@@ -36,7 +36,9 @@ class EmuTpGroup:
     """N emulated ranks of one tensor-parallel group (monokernel_tp.GpuGroup's wiring, in host memory)."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], n: int, num_sms: int = 4,
-                 max_context: int = 256, layout_options: dict | None = None):
+                 max_context: int = 256, layout_options: dict | None = None, peer_timeout_ns: int = 10**9):
+        """peer_timeout_ns: the kernels' tp_timeout_ns, in the emulation's clock, which advances 1 us per read
+        (one read per spin: 10**9 is a million rounds of a rank's fibers, minutes of real time)."""
         check_tp(config, n)
         self.config, self.n = config, n
         local = shard_config(config, n)
@@ -49,7 +51,7 @@ class EmuTpGroup:
         self.peer_table = np.array([buffer_ptr(r) for r in self.regions], np.uint64)  # (the same for every rank)
         for rank, m in enumerate(self.ranks):
             m.tp_params = {"tp_local": buffer_ptr(self.regions[rank]), "tp_peers": buffer_ptr(self.peer_table),
-                           "tp_rank": rank}
+                           "tp_rank": rank, "tp_timeout_ns": int(peer_timeout_ns)}
 
     @property
     def host_ctrl(self) -> np.ndarray:

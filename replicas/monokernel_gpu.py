@@ -258,3 +258,18 @@ class GpuModel:
 
     def synchronize(self) -> None:
         self.stream.synchronize()
+
+    def check(self) -> None:
+        """Raise EngineFailed if the running kernel stopped without finishing its launch: a fault (the stream
+        reports it; the GPU's CUDA context is lost) or an end without the done word. The engine calls this
+        while it waits for tokens, so a dead kernel is an error for the caller, not a generation that hangs."""
+        from replicas.engine import EngineFailed
+
+        try:
+            ended = self.stream.done
+        except self.cp.cuda.runtime.CUDARuntimeError as e:
+            raise EngineFailed(f"the monokernel on GPU {self.device} failed ({e}); its CUDA context is lost: "
+                               "restart the replica") from e
+        if ended and not self.host_ctrl.array[L.CTRL_DONE]:
+            raise EngineFailed(f"the monokernel on GPU {self.device} ended without finishing its launch; "
+                               "restart the replica")

@@ -43,6 +43,24 @@ from replicas.tp_prefill import ShardedPrefill
 from replicas.tp_shard import check_tp, shard_config, shard_tensors
 
 
+PEER_TIMEOUT_S = 10.0  # a wait for a peer GPU longer than this is a dead peer (a decode step takes milliseconds)
+
+
+def peer_timeout_s() -> float:
+    """How long a rank's kernel waits for a peer before it reports STATUS_PEER_TIMEOUT and traps: PEER_TIMEOUT_S,
+    or MK_TP_PEER_TIMEOUT_S from the environment (a positive number of seconds)."""
+    raw = os.environ.get("MK_TP_PEER_TIMEOUT_S")
+    if raw is None:
+        return PEER_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"MK_TP_PEER_TIMEOUT_S={raw!r}: give a positive number of seconds (default {PEER_TIMEOUT_S})")
+    return value
+
+
 def check_devices(devices: Sequence[int], emulate_on_one_gpu: bool = False) -> None:
     """Raise ValueError unless `devices` suits the group: distinct GPUs, or with emulation one GPU
     named once per rank (checked before any GPU work)."""
@@ -132,7 +150,8 @@ class GpuGroup:
             with cp.cuda.Device(m.device):
                 table = cp.asarray(np.array(ptrs, np.uint64))
             self.peer_tables.append(table)
-            m.tp_params = {"tp_local": ptrs[rank], "tp_peers": table.data.ptr, "tp_rank": rank}
+            m.tp_params = {"tp_local": ptrs[rank], "tp_peers": table.data.ptr, "tp_rank": rank,
+                           "tp_timeout_ns": int(peer_timeout_s() * 1e9)}
         self.host_ctrl, self.host_tokens = self.models[0].host_ctrl, self.models[0].host_tokens
 
     def _to_device(self, a, device: int):
@@ -201,6 +220,11 @@ class GpuGroup:
     def synchronize(self) -> None:
         for m in self.models:
             m.synchronize()
+
+    def check(self) -> None:
+        """GpuModel.check on every rank (a rank that timed out waiting for a peer traps: its stream fails)."""
+        for m in self.models:
+            m.check()
 
 
 class TpMonokernelEngine(MonokernelEngine):

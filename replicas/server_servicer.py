@@ -24,6 +24,7 @@ from monoserve.v1 import common_pb2, replica_pb2, replica_pb2_grpc
 from replicas.engine import (
     Engine,
     EngineBusy,
+    EngineFailed,
     FinishReason,
     Generation,
     InvalidRequest,
@@ -188,7 +189,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
                 elif kind == "busy":
                     outcome = "rejected"
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, value)
-                else:  # "error": the engine failed; the router resumes elsewhere from the tokens it has
+                else:  # "error" / "fatal": the engine failed; the router resumes elsewhere from the tokens it has
                     outcome = "error"
                     await context.abort(grpc.StatusCode.INTERNAL,
                                         f"engine failed after {slot.produced} tokens: {value}")
@@ -238,6 +239,9 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
             end = ("invalid", str(e), time.perf_counter())
         except EngineBusy as e:  # the engine's own slot count disagrees with ours: refuse, retryable
             end = ("busy", str(e), time.perf_counter())
+        except EngineFailed as e:  # fatal for the replica: unhealthy at once (routers stop sending), not after 3
+            log.error("engine failed for good during request %s: %s", run.request_id, e)
+            end = ("fatal", f"{type(e).__name__}: {e}", time.perf_counter())
         except Exception as e:
             log.exception("engine failed during request %s", run.request_id)
             end = ("error", f"{type(e).__name__}: {e}", time.perf_counter())
@@ -250,11 +254,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServicer):
         """On the loop, once the engine has let go of the generation: free the slot, then let the
         handler send the final message (so a caller that sends its next request as soon as it sees
         the final one always finds the slot free)."""
-        failed = end[0] == "error"
+        failed = end[0] in ("error", "fatal")
         self.running.pop(run.request_id, None)
         self.load.release(run.request_id)
         self.metrics.active_slots.set(self.load.busy)
-        self._failures = self._failures + 1 if failed else 0
+        self._failures = (max(self._failures + 1, UNHEALTHY_AFTER) if end[0] == "fatal"
+                          else self._failures + 1 if failed else 0)
         healthy = self._failures < UNHEALTHY_AFTER
         if healthy != self.load.healthy:
             self.load.set_healthy(healthy)

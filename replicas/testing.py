@@ -11,7 +11,8 @@ the serving path and not numpy. PacedEngine:
   (what the router's mid-stream failover relies on), and `forward_logits` agrees with it;
 - never emits an EOS id by chance; `eos_after=N` makes it emit EOS as token N + 1 (a STOP);
 - honours max_tokens, stop_token_ids, the context window and cancel() (within one token);
-- `fail_after=N` raises EngineFailure after N tokens (to test crash handling and failover).
+- `fail_after=N` raises EngineFailure after N tokens (to test crash handling and failover); with
+  `fatal=True` it raises EngineFailed instead (the engine is lost for good: a GPU fault).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from replicas.engine import FinishReason, Generation, SamplingParams, stop_ids, validate_prompt
+from replicas.engine import EngineFailed, FinishReason, Generation, SamplingParams, stop_ids, validate_prompt
 from replicas.model import ModelConfig
 
 _MASK = (1 << 64) - 1
@@ -65,7 +66,7 @@ class PacedEngine:
 
     def __init__(self, config: ModelConfig | None = None, tokens_per_s: float = 1000.0, max_batch: int = 1,
                  prefill_s: float = 0.0, prefill_s_per_token: float = 0.0, eos_after: int | None = None,
-                 fail_after: int | None = None, max_context: int | None = None):
+                 fail_after: int | None = None, max_context: int | None = None, fatal: bool = False):
         if tokens_per_s <= 0:
             raise ValueError(f"tokens_per_s must be > 0, got {tokens_per_s}")
         if max_batch < 1:
@@ -78,6 +79,7 @@ class PacedEngine:
         self.prefill_s_per_token = prefill_s_per_token
         self.eos_after = eos_after
         self.fail_after = fail_after
+        self.fatal = fatal
         # observability for tests
         self._lock = threading.Lock()
         self.active = 0  # generations running now
@@ -143,6 +145,8 @@ class PacedEngine:
                     return FinishReason.CANCELLED, None
                 if self.fail_after is not None and i >= self.fail_after:
                     finished = True  # a crash, not a cancel
+                    if self.fatal:
+                        raise EngineFailed(f"paced engine: simulated GPU fault after {i} tokens")
                     raise EngineFailure(f"paced engine: simulated failure after {i} tokens")
                 if self.eos_after is not None and i == self.eos_after and self.config.eos_token_ids:
                     token = self.config.eos_token_ids[0]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from replicas import layout as L
-from replicas.engine import FinishReason, SamplingParams, accepts_session_id
+from replicas.engine import EngineFailed, FinishReason, SamplingParams, accepts_session_id
 from replicas.layout import KernelLayout
 from replicas.model import ModelConfig
 from replicas.monokernel import MonokernelEngine
@@ -124,6 +124,9 @@ class FakeGpu:
     def synchronize(self):
         pass
 
+    def check(self):  # (launch() finished the whole decode: nothing can die meanwhile)
+        pass
+
 
 def fake_engine(packed, **limits) -> MonokernelEngine:
     cfg, w = packed
@@ -216,3 +219,94 @@ def test_lru_bound_evicts_and_zero_sessions_keeps_nothing(packed):
     off = fake_engine(packed, max_sessions=0)
     run(off, prompts["a"], session_id="a")
     assert off.session_stats().sessions == 0
+
+
+# ---- a kernel that dies: the generation raises EngineFailed instead of waiting forever ----------------
+
+class DyingGpu(FakeGpu):
+    """launch() emits `emit` tokens, then the kernel is gone: its done word never comes (a fault), or it comes
+    with STATUS_PEER_TIMEOUT (a tensor-parallel rank that lost its peer and trapped)."""
+
+    def __init__(self, cfg, weights, emit: int, peer_timeout: bool):
+        super().__init__(cfg, weights)
+        self.emit, self.peer_timeout, self.checks, self.syncs = emit, peer_timeout, 0, 0
+
+    def launch(self, x_last, start_pos, max_steps, **_):
+        ctrl, toks = self.host_ctrl.array, self.host_tokens.array
+        ctrl[:] = 0
+        toks[:self.emit] = np.arange(3, 3 + self.emit)
+        ctrl[L.CTRL_COUNT] = self.emit
+        if self.peer_timeout:
+            ctrl[L.CTRL_STATUS], ctrl[L.CTRL_DONE] = L.STATUS_PEER_TIMEOUT, 1
+
+    def check(self):
+        self.checks += 1
+        if not self.peer_timeout:
+            raise EngineFailed("the monokernel on GPU 0 failed (cudaErrorLaunchFailure); restart the replica")
+
+    def synchronize(self):  # (a trapped kernel's stream: waiting on it raises, so the engine must not)
+        self.syncs += 1
+        raise AssertionError("synchronize() on a dead kernel")
+
+
+@pytest.mark.parametrize("peer_timeout", [False, True], ids=["fault", "peer-timeout"])
+def test_a_dead_kernel_fails_the_generation_and_every_later_one(packed, peer_timeout, monkeypatch):
+    import replicas.monokernel as mk
+
+    monkeypatch.setattr(mk, "CHECK_SECONDS", 0.0)
+    eng = fake_engine(packed)
+    cfg, w = packed
+    eng.gpu = DyingGpu(cfg, w, emit=3, peer_timeout=peer_timeout)
+    gen = eng.generate(words(12, 5), GREEDY)
+    got = []
+    with pytest.raises(EngineFailed, match="restart the replica"):
+        for tok in gen:
+            got.append(tok)
+    assert got == [3, 4, 5]  # what the kernel emitted before it died still reached the caller
+    assert eng.gpu.syncs == 0 and (eng.gpu.checks >= 1) is not peer_timeout
+    with pytest.raises(EngineFailed, match="restart the replica"):  # the engine refuses at once from now on
+        eng.generate(words(12, 6), GREEDY)
+
+
+def test_gpu_check_tells_a_fault_and_an_unfinished_end_from_a_running_kernel():
+    from replicas.monokernel_gpu import GpuModel
+
+    class CudaError(Exception):
+        pass
+
+    class Stream:
+        def __init__(self, state):
+            self.state = state
+
+        @property
+        def done(self):  # CuPy's Stream.done: cudaStreamQuery, which raises a fault's sticky error
+            if self.state == "fault":
+                raise CudaError("cudaErrorLaunchFailure: unspecified launch failure")
+            return self.state == "ended"
+
+    m = GpuModel.__new__(GpuModel)
+    m.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(CUDARuntimeError=CudaError)))
+    m.device, m.host_ctrl = 1, types.SimpleNamespace(array=np.zeros(L.CTRL_WORDS, np.int32))
+    m.stream = Stream("running")
+    m.check()
+    m.stream = Stream("fault")
+    with pytest.raises(EngineFailed, match="GPU 1 failed .*cudaErrorLaunchFailure.*restart the replica"):
+        m.check()
+    m.stream = Stream("ended")
+    with pytest.raises(EngineFailed, match="GPU 1 ended without finishing its launch"):
+        m.check()
+    m.host_ctrl.array[L.CTRL_DONE] = 1  # ended after writing its done word: a normal end
+    m.check()
+
+
+def test_the_peer_timeout_comes_from_the_environment_or_the_default(monkeypatch):
+    from replicas.monokernel_tp import PEER_TIMEOUT_S, peer_timeout_s
+
+    monkeypatch.delenv("MK_TP_PEER_TIMEOUT_S", raising=False)
+    assert peer_timeout_s() == PEER_TIMEOUT_S == 10.0
+    monkeypatch.setenv("MK_TP_PEER_TIMEOUT_S", "2.5")
+    assert peer_timeout_s() == 2.5
+    for bad in ("0", "-1", "soon", "nan"):
+        monkeypatch.setenv("MK_TP_PEER_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="MK_TP_PEER_TIMEOUT_S=.*positive number of seconds"):
+            peer_timeout_s()

@@ -287,6 +287,21 @@ def test_repeated_engine_failures_turn_readiness_off_until_a_probe_succeeds(serv
     assert len(collect(stub.Generate(gen_request(max_tokens=3)))[0]) == 3
 
 
+def test_a_fatal_engine_failure_turns_readiness_off_at_once(serve):
+    """EngineFailed (a GPU fault, a lost tensor-parallel peer: the engine cannot recover) is INTERNAL for the
+    request, which the router resumes elsewhere, and makes the replica NOT_SERVING after one failure, not three."""
+    engine = PacedEngine(tokens_per_s=5000, fail_after=2, fatal=True)
+    server, stub = serve(engine)
+    server.servicer.probe_interval_s = 0.05
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(gen_request(max_tokens=5)))
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "simulated GPU fault" in err.value.details()
+    assert wait_for(lambda: not server.load().healthy)
+    status = health.Check(health_pb2.HealthCheckRequest(service="monoserve.v1.Replica")).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 def test_health_reflection_and_info(serve):
     engine = PacedEngine(tokens_per_s=5000, max_batch=3)
     server, stub = serve(engine, replica_id="rep-a", model_name="tiny-paced", gpu_ids=[0, 1])

@@ -86,6 +86,25 @@ def test_a_stop_token_and_a_cancel_stop_every_rank_at_the_same_step(tiny, group)
     assert group.status() == L.STATUS_CANCELLED
 
 
+def test_a_rank_whose_peer_never_starts_reports_it_and_stops(tiny):
+    """Rank 1's kernel never runs (a dead GPU, a failed launch): rank 0 must not spin forever. After its
+    tp_timeout_ns it writes STATUS_PEER_TIMEOUT and its done word (what the engine raises EngineFailed on) and
+    traps, which ends its whole grid."""
+    from replicas.monokernel_emu_tp import EmuTpGroup
+
+    cfg, raw, _, _ = tiny
+    group = EmuTpGroup(cfg, raw, 2, peer_timeout_ns=200_000)  # 200 emulated us: 200 spins
+    prompt = np.random.default_rng(15).integers(0, cfg.vocab_size, 8).tolist()
+    x_last, _ = group.prefill(prompt)
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] did not finish: rank 0: the emulated kernel trapped"):
+        group.launch(x_last, len(prompt), 8, ranks=[0])
+    ctrl = group.ranks[0].host_ctrl
+    assert (ctrl[L.CTRL_STATUS], ctrl[L.CTRL_DONE], ctrl[L.CTRL_COUNT]) == (L.STATUS_PEER_TIMEOUT, 1, 0)
+    for m in group.ranks:  # the emulation recovers from a trap (a GPU would need a new context)
+        m.tp_params["tp_timeout_ns"] = 10**9
+    assert len(group.generate(prompt, 8)) == 8
+
+
 def test_eight_ranks_with_replicated_kv_heads_and_a_ragged_vocabulary():
     """8 q / 2 kv heads (each kv head on 4 ranks), tied head, q/k/v and o bias, q/k norm, 1,001-token vocabulary
     (the last rank's slice padded; tests/test_tp_cpu.py's eight-way model): the TP=8 kernel, 2 blocks per rank,

@@ -43,14 +43,14 @@ def test_tp_flags_describe_the_shard_and_the_exchange_region():
     assert off["RECV_DN"] - off["RECV_O"] == 2048 * 2 and off["LOGITS"] - off["RECV_DN"] == 2048 * 2
     assert off["WORDS"] == off["LOGITS"] + 2 * 64128
     assert all(f[f"MK_TP_OFF_{k}"] == str(v) for k, v in off.items())
-    assert lay.param_fields()[-3:] == L.TP_PARAM_FIELDS
+    assert lay.param_fields()[-len(L.TP_PARAM_FIELDS):] == L.TP_PARAM_FIELDS
     assert tp_layout("llama-3.2-1b", 8).group == 4  # 4 local q heads on the GPU's one kv head
 
 
 def test_params_header_guards_the_tp_fields():
     h = params_header()
     assert "#if defined(MK_TP) && MK_TP > 1\n  float* tp_local;" in h
-    assert f"sizeof(MkParams) == {8 * (len(L.PARAM_FIELDS) + 3)}" in h
+    assert f"sizeof(MkParams) == {8 * (len(L.PARAM_FIELDS) + len(L.TP_PARAM_FIELDS))}" in h
 
 
 def test_bad_tp_layouts_are_refused():

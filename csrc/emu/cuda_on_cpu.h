@@ -60,6 +60,7 @@ inline thread_local void* sched_sp = nullptr;
 inline thread_local std::vector<Block>* blocks = nullptr;
 inline thread_local dim3u grid{1, 1, 1}, block{1, 1, 1};
 inline thread_local unsigned long long clock_ns = 0;
+inline thread_local bool trapped = false;  // __trap(): the launch ends at once (run returns 2)
 }  // namespace mk_emu
 
 // switch stacks: save the callee-saved registers on this stack, store rsp in *from, load `to`, pop, ret
@@ -128,6 +129,11 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) { return mk_emu_shfl(v, mk_emu
 
 // Fences order this fiber's memory operations for other OS threads too: the tensor-parallel emulation runs each
 // rank's grid on its own OS thread (replicas/monokernel_emu_tp.py), and the peers read what a rank published.
+// __trap(): as on the GPU, every thread of the grid stops now; the launch reports an error (run returns 2).
+inline void __trap() {
+  mk_emu::trapped = true;
+  for (;;) mk_emu::yield();  // (never resumed: the scheduler stops at the flag)
+}
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 // A resident launch's idle wait (csrc/mk_batch.cuh): real time and a real sleep, so the host thread that
@@ -237,11 +243,13 @@ inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthrea
   }
   unsigned long long switches = 0;
   size_t left = fibers.size();
+  trapped = false;
   while (left) {
     for (auto& f : fibers) {
       if (f.done) continue;
       cur = &f;
       mk_emu_switch(&sched_sp, f.sp);
+      if (trapped) { cur = nullptr; return 2; }  // (the fibers' stacks are dropped unfinished)
       if (f.done) left--;
       if (++switches > max_switches) return 1;  // deadlock or a runaway kernel
     }
