@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # Issue 6 on nvidia-h200-x2, one call (< 10 min), everything under $OUT (summary.txt first):
-#   1. TP smoke on tiny (a hang = an exchange-protocol bug)
+#   1. TP smoke on tiny (a hang = an exchange-protocol bug; a dead peer now times out: MK_TP_PEER_TIMEOUT_S)
 #   2. TP gpu tests (tests/test_tp_gpu.py: TP=2 vs TP=1, reference, transformers; greedy, seeded, cancel)
-#   3. bench/decode.py: TP=1 vs TP=2 (+ skip-all-reduce build) for llama-3.2-1b, qwen3-1.7b, llama-3.1-8b,
-#      copy-bandwidth roofline and the transformers static-cache peer in the same run
+#   3. bench/decode.py: TP=1 vs TP=2 (+ the skip-all-reduce build) for $PRESETS, with the copy-bandwidth
+#      roofline and the transformers static-cache peer in the same run
+# Two calls cover issue 6's three models (the 8B's random weights, shards and peer take minutes on their own):
+#   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600, command="bash bench/h200x2_tp_run.sh")
+#   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600,
+#       command="STAGES=bench PRESETS=llama-3.1-8b bash bench/h200x2_tp_run.sh")
 # Run from the repository root with `.whl` carried (scripts/fetch_device_wheels.sh makes it).
 set -u
 DEADLINE=${DEADLINE:-580}
+PRESETS=${PRESETS:-llama-3.2-1b qwen3-1.7b}
+STAGES=${STAGES:-smoke tests bench}
+export MK_TP_PEER_TIMEOUT_S=${MK_TP_PEER_TIMEOUT_S:-20}
 . bench/device_stage.sh
 RES=/tmp/mk_results; mkdir -p "$RES"
 PYTEST="python3 -m pytest -v -m gpu $PT --durations=10 -p no:cacheprovider"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
-stage tp_smoke 75 python3 bench/tp_smoke.py --tp 2
-stage tp_gpu_tests 170 $PYTEST tests/test_tp_gpu.py
-stage tp_bench 300 python3 bench/decode.py --presets llama-3.2-1b qwen3-1.7b llama-3.1-8b --tp 1 2 --runs 3 \
-  --new-tokens 256 --ttft 2000 --out "$RES"
+case " $STAGES " in *" smoke "*) stage tp_smoke 75 python3 bench/tp_smoke.py --tp 2 ;; esac
+case " $STAGES " in *" tests "*) stage tp_gpu_tests 170 $PYTEST tests/test_tp_gpu.py ;; esac
+# shellcheck disable=SC2086
+case " $STAGES " in *" bench "*) stage tp_bench 560 python3 bench/decode.py --presets $PRESETS --tp 1 2 --runs 3 \
+  --new-tokens 256 --ttft 2000 --out "$RES" ;; esac
 cp "$RES/decode.json" "$OUT/" 2>/dev/null
 { echo "total ${SECONDS}s"; echo; cat "$RES/decode.md" 2>/dev/null; echo; cat "$OUT/topo.txt"; } >> "$OUT/summary.txt"
 cat "$OUT/summary.txt"
