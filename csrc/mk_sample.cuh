@@ -36,6 +36,37 @@ MK_DEVICE int reduce_best(const MkParams& p, float* s_red, int b = 0) {
   return tok;
 }
 
+#ifndef MK_BLOCK_BEST
+#define MK_BLOCK_BEST 0  // layout option block_best (batch builds; flag emitted only when on)
+#endif
+#if MK_BLOCK_BEST
+static_assert(MK_BATCH > 1, "block_best: batch builds");
+// block_best, at the LM phase's end: the block's warps' bests (lane 0 of each streaming warp holds its warp's)
+// merged into one per slot before they go to memory, so reduce_best_slots reads gridDim.x per slot instead of
+// gridDim.x * kStreamWarps (every block reads every slot's: ~67 KB per block at B = 4). Same tokens: the merge is
+// argmax_merge's total order. The grid barrier after the LM phase synchronizes the block anyway.
+MK_DEVICE void block_best_slots(const MkParams& p, float* s_act, const WeightStream& st, const float* best,
+                                const int* best_i) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* s_v = s_act;
+  int* s_i = reinterpret_cast<int*>(s_act + kWarps * kB);
+  __syncthreads();  // every warp done reading s_act (the LM input)
+  if (lane == 0)
+#pragma unroll
+    for (int b = 0; b < kB; b++) {
+      s_v[warp * kB + b] = st.gw >= 0 ? best[b] : -INFINITY;  // (a control warp streams nothing)
+      s_i[warp * kB + b] = st.gw >= 0 ? best_i[b] : 0x7fffffff;
+    }
+  __syncthreads();
+  if (warp < kB) {  // warp b: slot b's best of the block
+    float v = lane < kWarps ? s_v[lane * kB + warp] : -INFINITY;
+    int i = lane < kWarps ? s_i[lane * kB + warp] : 0x7fffffff;
+    warp_argmax(v, i);
+    if (lane == 0) { p.best_val[warp * gridDim.x + blockIdx.x] = v; p.best_idx[warp * gridDim.x + blockIdx.x] = i; }
+  }
+}
+#endif
+
 #if MK_BATCH > 1
 // Every block: reduce_best for every live slot at once (tok[b]; 0 for a slot not live). All slots' loads are in
 // flight together and one block exchange serves the batch (the timeline probe measured sample + emit at 14.3 us
@@ -43,7 +74,7 @@ MK_DEVICE int reduce_best(const MkParams& p, float* s_red, int b = 0) {
 // tokens as reduce_best: argmax_merge is a total order (ties: the lowest id), so the merge order does not matter.
 // Scratch: s_act (free between the LM phase and the next prologue), [kWarps][kB] values then indices.
 MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok) {
-  const int nw = gridDim.x * kStreamWarps;
+  const int nw = MK_BLOCK_BEST ? (int)gridDim.x : (int)gridDim.x * kStreamWarps;  // (block_best: one per block)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[kB]; int i[kB];
 #pragma unroll

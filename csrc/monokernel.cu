@@ -193,9 +193,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
 #pragma unroll
       for (int b = 0; b < kB; b++) warp_argmax(best[b], best_i[b]);
 #endif
+#if MK_BLOCK_BEST
+      block_best_slots(p, s_act, st, best, best_i);
+#else
       if (st.lane == 0 && st.gw >= 0)
 #pragma unroll
         for (int b = 0; b < kB; b++) { p.best_val[b * st.nw + st.gw] = best[b]; p.best_idx[b * st.nw + st.gw] = best_i[b]; }
+#endif
     }
     MK_ARRIVE();
     MK_TL_AT(tl_lm, 2);

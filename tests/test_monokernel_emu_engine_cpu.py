@@ -134,3 +134,35 @@ def test_sampling_stop_and_cancel_in_the_kernel(emu, tiny_checkpoint):
     assert long_g.finish_reason is FinishReason.CANCELLED and len(got) + len(rest) < 200
     assert same_greedy(gpu, one, prompt, got + rest, one.generate_greedy(prompt, len(got) + len(rest)))
     assert same_greedy(gpu, one, other_p, list(other), one.generate_greedy(other_p, 20))
+
+
+def test_block_best_picks_the_same_tokens(tiny_checkpoint):
+    """Layout option block_best merges the LM head's warp bests per block before the grid-wide choice: the same
+    greedy and seeded tokens as the batch defaults, bit for bit, for requests decoding together in a batch launch."""
+    from replicas.engine import SamplingParams
+    from replicas.model import ModelConfig
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_emu_batch import EmuBatchGpu
+    from replicas.monokernel_prefill import Prefill
+    from replicas.weights import load_weights
+
+    cfg = ModelConfig.from_pretrained(tiny_checkpoint)
+    tensors = load_weights(tiny_checkpoint, cfg, dtype="raw")
+    rng = np.random.default_rng(34)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (16, 11, 13)]
+    qs = [greedy(30), greedy(12), SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)]
+    outs = []
+    for extra in ({}, {"block_best": True}):
+        gpu = EmuBatchGpu(cfg, tensors, 4, layout_options={**TUNED_BATCH, **extra})
+        assert gpu.layout.block_best == bool(extra)
+        eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np))
+        try:
+            first = eng.generate(prompts[0], qs[0])
+            head = [next(first) for _ in range(2)]
+            others = [eng.generate(p, q) for p, q in zip(prompts[1:], qs[1:])]
+            got = [list(g) for g in others]  # (decoded beside the first: batch launches)
+            outs.append([head + list(first)] + got)
+            assert gpu.launches >= 2
+        finally:
+            eng.close()
+    assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [30, 12, 12]
