@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from replicas import layout as L
-from replicas.engine import EngineBusy, FinishReason, Generation, SamplingParams
+from replicas.engine import EngineBusy, EngineFailed, FinishReason, Generation, SamplingParams
 from replicas.model import ModelConfig
 from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
@@ -148,6 +148,7 @@ class BatchedMonokernelEngine(ResidentJoins):
         self._slots: list[_Request | None] = [None] * self.max_batch
         self._x: dict[int, object] = {}  # slot -> hidden state to (re)start it from (CuPy [H])
         self._closed = False
+        self.failed: str | None = None  # why the GPU can run nothing more (EngineFailed); then every request is refused
         self._running = False  # a launch is on the GPU
         self._admitting = 0  # requests taken from _pending whose prefill has not put them in a slot yet
         self.profile = None  # CuPy uint64[13]: phase times of each launch (bench)
@@ -185,6 +186,8 @@ class BatchedMonokernelEngine(ResidentJoins):
         for the common prefix and this turn's KV is kept for the next one (not after a cancel or an error)."""
         ids, stops = check_request(self.config, self.max_context, prompt_ids, params)
         with self._cv:
+            if self.failed:
+                raise EngineFailed(self.failed)
             if self._closed:
                 raise EngineBusy("the engine is closed")
             if len(self._pending) + self._admitting + sum(s is not None for s in self._slots) >= self.max_batch:
@@ -266,6 +269,8 @@ class BatchedMonokernelEngine(ResidentJoins):
                     self._running = False
                     self._cv.notify_all()  # (forward_logits may be waiting for the GPU)
             except Exception as e:  # a GPU failure ends every request it touched, with the error
+                if isinstance(e, EngineFailed):
+                    self.failed = str(e)
                 with self._cv:  # slots freed before anyone hears of the failure (a retry must find them free)
                     failed = [r for r in self._slots if r is not None] + [r for r in joins if r.spec is None]
                     self._slots = [None] * self.max_batch
@@ -335,7 +340,11 @@ class BatchedMonokernelEngine(ResidentJoins):
         self.launches += 1
         yielded = False
         while True:
-            running = not gpu.stream.done
+            try:
+                running = not gpu.stream.done
+            except Exception as e:  # the launch faulted: CUDA's error is sticky, nothing runs on this GPU again
+                raise EngineFailed(f"the batched monokernel on GPU {gpu.device} failed ({e}); its CUDA context is "
+                                   "lost: restart the replica") from e
             self._drain(final=not running)
             if not running:
                 break

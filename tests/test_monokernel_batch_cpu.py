@@ -177,6 +177,14 @@ class FakeStream(nullcontext):
     done = True  # no launch on it
 
 
+class FaultedStream(nullcontext):
+    """The stream of a launch that faulted: CUDA reports the (sticky) error to every query."""
+
+    @property
+    def done(self):
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+
 class FakeKv(np.ndarray):
     """A slot's KV cache (and its slices): a copy taken while a launch runs is an error (on the GPU it
     allocates device memory while the persistent kernel holds it)."""
@@ -217,6 +225,7 @@ class FakeBatchGpu:
         self.prefill_starts: list[int] = []  # per prefill: the first position it computed (cached before)
         self.finished: dict[tuple, int] = {}  # prompt -> the status its slot ended with
         self.yields = 0
+        self.fault_at_step: int | None = None  # the next launch faults at this step (FaultedStream)
         self.errors: list[str] = []
         self.prefill_gate, self.in_prefill = threading.Event(), threading.Event()
         self.prefill_gate.set()
@@ -282,6 +291,9 @@ class FakeBatchGpu:
     def _kernel(self, live, fx_turn0):
         step = 0
         while True:
+            if step == self.fault_at_step:
+                self.stream = FaultedStream()
+                return
             if step > 0 and self.host_kctl[L.KCTL_YIELD]:  # exit at a step boundary; slots keep their state
                 self.yields += 1
                 break
@@ -393,6 +405,27 @@ def test_joins_resume_running_slots_exactly(make):
         assert_exact(g, o, p, q)
     assert len(gpu.launches) >= 2 and gpu.yields >= 1
     assert any(max(launch.values()) > 0 for launch in gpu.launches)  # some slot really resumed mid-generation
+
+
+def test_a_faulted_launch_fails_its_requests_and_every_later_one(make):
+    """A launch that faults (the stream reports CUDA's sticky error): each running request ends with EngineFailed
+    after the tokens it already had, and the engine refuses every later request the same way, since nothing
+    runs on that GPU again (the replica turns NOT_SERVING on it and must be restarted)."""
+    from replicas.engine import EngineFailed
+
+    eng, gpu = make(4)
+    ps, q = prompts(2, 9), SamplingParams(max_tokens=60, ignore_eos=True)
+    gpu.fault_at_step = 5
+    gens = [eng.generate(p, q) for p in ps]
+    for g, p in zip(gens, ps):
+        got = []
+        with pytest.raises(EngineFailed, match="GPU 0 failed .*cudaErrorLaunchFailure.*restart the replica"):
+            for tok in g:
+                got.append(tok)
+        assert got == expected(p, q)[0][:len(got)] and len(got) <= 5
+    with pytest.raises(EngineFailed, match="restart the replica"):
+        eng.generate(ps[0], q)
+    assert eng.failed and not any(eng._slots)
 
 
 def test_cancel_ends_one_slot_and_its_slot_is_reused(make):
