@@ -52,8 +52,10 @@ def gpu_count() -> int:
         return 0
 
 
-# (preset, N, emulated on GPU 0); tiny's 4 q heads allow N = 2 and 4 (check_tp refuses 8)
-SETUPS = [("tiny", 2, False), ("llama-3.2-1b", 2, False), ("tiny", 2, True), ("tiny", 4, True)]
+# (preset, N, emulated on GPU 0); tiny's 4 q heads allow N = 2 and 4 (check_tp refuses 8). Each real-GPU setup
+# skips where fewer GPUs are visible: on 2 GPUs the N = 8 one (issue 7's) skips.
+SETUPS = [("tiny", 2, False), ("llama-3.2-1b", 2, False), ("llama-3.2-1b", 8, False), ("tiny", 2, True),
+          ("tiny", 4, True)]
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"{p}-tp{n}{'-emulated' if e else ''}" for p, n, e in SETUPS])
