@@ -227,10 +227,15 @@ MK_DEVICE void ao_zero(const MkParams& p) {
 }
 
 // Slot b's pre-norm residual element i after O: x + its accumulator (+ bias) (batch prologue).
+// (layout option fold_x: the accumulator holds the whole residual and the bias, mk_fold.cuh; xsrc, bias not read)
 MK_DEVICE float ao_load(const MkParams& p, const float* xsrc, const float* bias, int b, int i) {
+#if defined(MK_FOLD_X) && MK_FOLD_X
+  return __ll2float_rn(__ldcg(ao_acc(p, b) + i)) * kAoInv;
+#else
   float x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(ao_acc(p, b) + i)) * kAoInv;
   if (bias) x += bias[i];
   return x;
+#endif
 }
 
 // residual_norm<S> of monokernel.cu with the O accumulator (+ bias) as the partial source.

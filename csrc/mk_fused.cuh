@@ -57,8 +57,13 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
 }
 
 // Slot b's pre-norm residual element i: x + the accumulator of fused turn `turn` (batch prologue).
+// (layout option fold_x: the accumulator holds the whole residual, mk_fold.cuh; xsrc is not read)
 MK_DEVICE float fx_load(const MkParams& p, const float* xsrc, unsigned turn, int b, int i) {
+#if defined(MK_FOLD_X) && MK_FOLD_X
+  return __ll2float_rn(__ldcg(fx_acc(p, turn, b) + i)) * kFxInv;
+#else
   return __ldcg(xsrc + i) + __ll2float_rn(__ldcg(fx_acc(p, turn, b) + i)) * kFxInv;
+#endif
 }
 
 // Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.

@@ -31,6 +31,9 @@
 #if MK_ATTN_O
 #include "mk_attn_o.cuh"
 #endif
+#if MK_FUSED_MLP && MK_ATTN_O
+#include "mk_fold.cuh"
+#endif
 
 // x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
 // s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
@@ -364,7 +367,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         for (int b = 0; b < kB; b++) if ((live >> b) & 1u) slot_qkv(p, b)[u] = acc[b];
       }, live);
 #endif
-#if MK_ATTN_O
+#if MK_ATTN_O && MK_FOLD_X
+      ao_fold_init(p, layer == 0 ? nullptr : fx_acc(p, fx_turn - 1), tok, live, layer);  // (set, not zeroed)
+#elif MK_ATTN_O
       ao_zero(p);  // the O accumulators: read before the MLP's barrier, next added to after QKV's
 #endif
 #if MK_QKV_FLAGS
@@ -425,6 +430,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
                            slot_x(p, xi ^ 1, 0), p.ln2 + layer * MK_H, s_act, s_red);
 #endif
       xi ^= 1;
+#if MK_FOLD_X
+      fx_fold_add(p, fx_acc(p, fx_turn), live);  // the post-attention residual into this layer's MLP accumulator
+#endif
       MK_TL_AT(tl, 11);
 #if MK_FUSED_MLP
       {  // gate/up into this block's h slice, then its down columns: no barrier in between

@@ -7,7 +7,8 @@ from replicas import layout_attn_o, layout_fused
 
 
 def option_error(lay) -> str | None:
-    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best / resident /
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best / fold_x /
+    resident /
     act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
@@ -28,6 +29,8 @@ def option_error(lay) -> str | None:
         return "norm_once changes the batch prologue (every slot's residual loaded once): it needs batch > 1"
     if lay.resident and lay.batch == 1:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
+    if lay.fold_x and lay.batch == 1:
+        return "fold_x keeps a batch build's residual in its fixed-point accumulators: it needs batch > 1"
     if lay.block_best and lay.batch == 1:
         return "block_best merges a batch build's LM-head bests per block: it needs batch > 1"
     if lay.half_vec and not (lay.mma_qkv and lay.mma_o and lay.mma_mlp and lay.mma_lm):

@@ -30,7 +30,29 @@ from replicas.layout_fused import pack_down_fused
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
-                      "half_vec", "block_best")  # layout options the single-sequence build does not take
+                      "half_vec", "block_best", "fold_x")  # layout options the single-sequence build does not take
+
+
+def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:
+    """Slot b of a launch of `lay` (b_n slots) starts from hidden state x_last [hidden]: the residual in xbuf, the
+    fixed-point accumulators zero; with fold_x the residual is the accumulator the first LM head reads (fused turn
+    fx_turn0 - 1), as int64 * 2^-32 (csrc/mk_fold.cuh)."""
+    x = work["xbuf"].reshape(2, b_n, lay.hp)
+    acc = work["dn_part"].view(xp.int64).reshape(2, b_n, lay.hp)  # the fused-MLP accumulators of both turns
+    x[:, b] = 0
+    acc[:, b] = 0
+    if lay.fold_x:  # (fp32 * 2^32 is exact in fp64, so the kernel reads x_last back exactly)
+        acc[(fx_turn0 - 1) & 1, b, :hidden] = xp.rint(xp.asarray(x_last, xp.float64) * 2.0 ** 32).astype(xp.int64)
+    else:
+        x[0, b, :hidden] = x_last
+
+
+def slot_hidden(xp, lay, work, b_n: int, b: int, turn: int, hidden: int):
+    """Slot b's hidden state after a launch of `lay` that ended at fused turn `turn`: x + the accumulator of turn
+    - 1 * 2^-32 in fp32 (fold_x: the accumulator alone), as the next LM head would read it."""
+    acc = work["dn_part"].view(xp.int64).reshape(2, b_n, lay.hp)[(turn - 1) & 1, b, :hidden]
+    h = acc.astype(xp.float32) * xp.float32(2.0 ** -32)
+    return h if lay.fold_x else work["xbuf"].reshape(2, b_n, lay.hp)[0, b, :hidden] + h
 
 
 @dataclass
@@ -270,8 +292,6 @@ class BatchGpuModel(GpuModel):
         hp, ctx = lay.hp, self.max_context
         table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
         with cp.cuda.Device(self.device), self.stream:
-            x = w["xbuf"].reshape(2, b_n, hp)
-            acc = w["dn_part"].reshape(2, b_n, 2 * hp)  # int64 accumulators as float32 pairs
             for b, s in enumerate(slots):
                 if s is None:
                     continue
@@ -280,9 +300,7 @@ class BatchGpuModel(GpuModel):
                 if s.forced is not None and len(s.forced):
                     self.forced[b * ctx:b * ctx + len(s.forced)] = cp.asarray(list(s.forced), cp.int32)
                 if b in fresh:
-                    x[:, b] = 0
-                    x[0, b, :self.config.hidden_size] = fresh[b]
-                    acc[:, b] = 0
+                    fresh_slot(cp, lay, w, b_n, b, fresh[b], fx_turn0, self.config.hidden_size)
                 self.slot_ctrl(b)[L.CTRL_DONE] = 0  # (a new request's words were zeroed when it was admitted)
             self.slot_table[:table.size].set(table.reshape(-1), stream=self.stream)
             self.attn_cnt[:] = 0
@@ -337,20 +355,15 @@ class BatchGpuModel(GpuModel):
     def hidden_state(self, b: int, single: bool):
         """Slot b's hidden state after the last launch (which must have finished): its residual
         stream plus the last fused-MLP accumulator, as the kernel's next LM head would read it
-        (x + int64 * 2^-32 in fp32; the scale is a power of two, so no rounding step differs)."""
-        cp, hp, h = self.cp, self.layout.hp, self.config.hidden_size
+        (x + int64 * 2^-32 in fp32; the scale is a power of two, so no rounding step differs; slot_hidden)."""
+        cp, h = self.cp, self.config.hidden_size
         if self._exit is None:  # one device read per launch, not per slot
             self._exit = self.exit_state()
-        t = (self._exit[0] - 1) & 1
         with cp.cuda.Device(self.device), self.stream:
             if single:
-                w = self.single_work
-                x, acc = w["xbuf"][:h], w["dn_part"].view(cp.int64).reshape(2, hp)[t, :h]
-            else:
-                w, n = self._last
-                x = w["xbuf"].reshape(2, n, hp)[0, b, :h]
-                acc = w["dn_part"].view(cp.int64).reshape(2, n, hp)[t, b, :h]
-            return x + acc.astype(cp.float32) * cp.float32(2.0 ** -32)
+                return slot_hidden(cp, self.single_layout, self.single_work, 1, 0, self._exit[0], h)
+            w, n = self._last
+            return slot_hidden(cp, self.builds[n][0], w, n, b, self._exit[0], h)
 
     def exit_state(self) -> tuple[int, int]:
         """(fused turn, steps run) the last launch left (after it finished)."""

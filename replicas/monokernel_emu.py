@@ -133,7 +133,7 @@ class EmuModel:
     def forward_logits_slots(self, seqs: Sequence[Sequence[int]], prefill_len: int = 16) -> list[np.ndarray]:
         """A batch build (layout option batch = B): teacher-forced logits of up to B sequences decoded in one
         launch, as BatchedMonokernelEngine.forward_logits_slots (slot b <- seqs[b]). [len_b, V] each."""
-        from replicas.monokernel_batch import SlotSpec, batch_scalars, slot_row, slots_ptrs
+        from replicas.monokernel_batch import SlotSpec, batch_scalars, fresh_slot, slot_row, slots_ptrs
         from replicas.monokernel_prefill import Prefill
 
         lay, c, b_n, ctx = self.layout, self.config, self.layout.batch, self.max_context
@@ -151,13 +151,13 @@ class EmuModel:
             slot_table=np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64), admit_x=z(b_n * lay.hp, np.float32))
         work = {k: np.zeros(n, np.float32) for k, n in lay.buffer_sizes().items()}
         p = min(prefill_len, *(len(q) for q in seqs))
-        x, heads = work["xbuf"].reshape(2, b_n, lay.hp), []
+        heads = []
         for b, q in enumerate(seqs):
             view = SimpleNamespace(config=c, weights=self.weights, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
                                    k_cache=m.k_cache[b], v_cache=m.v_cache[b])  # the prefill writes slot b's cache
             x_last, head = Prefill(view, np).run(list(q[:p]), all_logits=True)
             heads.append(head)
-            x[0, b, :c.hidden_size] = x_last
+            fresh_slot(np, lay, work, b_n, b, x_last, 0, c.hidden_size)  # (fx_turn0 0: batch_scalars below)
             m.forced[b * ctx:b * ctx + len(q) - p] = q[p:]
             m.slot_table[b] = slot_row(SlotSpec(start_pos=p, max_steps=len(q) - p + 1))
         logits = np.zeros((max(len(q) for q in seqs) - p + 1, b_n, c.vocab_size), np.float32)

@@ -22,8 +22,8 @@ from replicas import layout as L
 from replicas.layout import KernelLayout
 from replicas.layout_tuned import engine_options
 from replicas.model import ModelConfig
-from replicas.monokernel_batch import (BATCH_ONLY_OPTIONS, SlotSpec, batch_scalars, lone_slot_ptrs, lone_slot_scalars,
-                                       pick_build, regrid_weights, slot_row, slots_ptrs)
+from replicas.monokernel_batch import (BATCH_ONLY_OPTIONS, SlotSpec, batch_scalars, fresh_slot, lone_slot_ptrs,
+                                       lone_slot_scalars, pick_build, regrid_weights, slot_hidden, slot_row, slots_ptrs)
 from replicas.monokernel_resident import Admissions
 from replicas.monokernel_emu import EmuModel, build
 from replicas.monokernel_gpu import param_block
@@ -135,12 +135,10 @@ class EmuBatchGpu:
     def launch_slots(self, slots: Sequence[SlotSpec | None], *, fresh: Mapping[int, np.ndarray], fx_turn0: int = 0,
                      logits=None, profile=None, idle_ns: int = 0, room: int = 0) -> int:
         """BatchGpuModel.launch_slots (one build)."""
-        lay, b_n, hp = self.layout, self.batch, self.layout.hp
+        lay, b_n = self.layout, self.batch
         if len(slots) != b_n:
             raise ValueError(f"{len(slots)} slot specs for a batch of {b_n}")
         table = np.zeros((b_n, len(L.SLOT_FIELDS)), np.uint64)
-        x = self.work["xbuf"].reshape(2, b_n, hp)
-        acc = self.work["dn_part"].reshape(2, b_n, 2 * hp)  # int64 accumulators as float32 pairs
         for b, s in enumerate(slots):
             if s is None:
                 continue
@@ -149,9 +147,7 @@ class EmuBatchGpu:
             if s.forced is not None and len(s.forced):
                 self.forced[b * self.max_context:b * self.max_context + len(s.forced)] = list(s.forced)
             if b in fresh:
-                x[:, b] = 0
-                x[0, b, :self.config.hidden_size] = fresh[b]
-                acc[:, b] = 0
+                fresh_slot(np, lay, self.work, b_n, b, fresh[b], fx_turn0, self.config.hidden_size)
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
         self.slot_table[:] = table.reshape(-1)
         for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
@@ -196,14 +192,8 @@ class EmuBatchGpu:
 
     def hidden_state(self, b: int, single: bool):
         """BatchGpuModel.hidden_state: residual + the last fused accumulator * 2^-32, in fp32."""
-        hp, h = self.layout.hp, self.config.hidden_size
         if self._exit is None:
             self._exit = self.exit_state()
-        t = (self._exit[0] - 1) & 1
         if single:
-            x, acc = self.single_work["xbuf"][:h], self.single_work["dn_part"].view(np.int64).reshape(2, hp)[t, :h]
-        else:
-            n = self.batch
-            x = self.work["xbuf"].reshape(2, n, hp)[0, b, :h]
-            acc = self.work["dn_part"].view(np.int64).reshape(2, n, hp)[t, b, :h]
-        return (x + acc.astype(np.float32) * np.float32(2.0 ** -32)).astype(np.float32)
+            return slot_hidden(np, self.single_layout, self.single_work, 1, 0, self._exit[0], self.config.hidden_size)
+        return slot_hidden(np, self.layout, self.work, self.batch, b, self._exit[0], self.config.hidden_size)

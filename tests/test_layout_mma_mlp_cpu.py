@@ -246,6 +246,38 @@ def test_half_vec_moves_only_offsets_and_gives_the_ring_the_rest():
 
 
 @needs_gxx
+@pytest.mark.parametrize("o_bias", [False, True], ids=["plain", "o-bias"])
+def test_fold_x_keeps_the_residual_in_the_accumulators(o_bias):
+    """fold_x: the O and fused-MLP accumulators start from the residual (the O bias folded in) instead of zero, and
+    the prologues read them alone. The residual is then summed exactly in fixed point instead of in fp32, so each
+    slot's logits move at the fp32 level from the defaults' (bound 1e-4, the batch-vs-single bound; one bf16 ulp of a
+    cached K/V value can flip), on 5 blocks, three slots of different lengths."""
+    from replicas.layout_tuned import TUNED_BATCH
+    from replicas.model import ModelConfig
+    from replicas.monokernel_emu import EmuModel
+    from tests.test_monokernel_emu_cpu import rel, small_family
+
+    cfg, bits, _ = small_family("llama-3.2-1b", intermediate_size=768)
+    if o_bias:
+        cfg = ModelConfig(**{**cfg.model_dump(), "o_bias": True})
+        for layer in range(cfg.num_hidden_layers):  # (0.125 + a little per element: an O bias that matters)
+            bits[f"model.layers.{layer}.self_attn.o_proj.bias"] = (0x3e00 + np.arange(cfg.hidden_size) % 97).astype(np.uint16)
+    rng = np.random.default_rng(53)
+    seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (24, 16, 19)]
+
+    def run(**o):
+        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, **o}, num_sms=5)
+        assert ("-DMK_FOLD_X=1" in m.layout.compile_flags()) is bool(o)
+        return m.forward_logits_slots(seqs)
+
+    base, folded = run(), run(fold_x=True)
+    for a, b in zip(folded, base):  # (measured: equal; bf16 matvec inputs absorb the residual's last-ulp moves)
+        assert a.shape == b.shape and rel(a, b) <= 1e-4
+    with pytest.raises(LayoutError, match="fold_x .* needs batch > 1"):
+        KernelLayout.from_config(cfg, 256, **engine_options(cfg, {"fold_x": True}))
+
+
+@needs_gxx
 def test_norm_once_is_bit_identical_and_mma_lm_within_bf16_distance():
     """norm_once only reorders the batch prologue's loads: the same logits bit for bit. mma_lm rounds the LM head's
     input to bf16 (measured 1.5-1.8e-3 from the single kernel; bound 1e-2, half the transformers
