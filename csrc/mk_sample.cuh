@@ -39,6 +39,26 @@ MK_DEVICE int reduce_best(const MkParams& p, float* s_red, int b = 0) {
 #ifndef MK_BLOCK_BEST
 #define MK_BLOCK_BEST 0  // layout option block_best (batch builds; flag emitted only when on)
 #endif
+#if MK_BATCH > 1
+// Every block: lane 0 of each warp holds that warp's best (v[b], i[b]) of every slot; returns in lane 0 of warp
+// b < kB the block's best of slot b (argmax_merge's total order: the same whatever the order). Scratch: s_act,
+// [kWarps][kB] values then indices; ends before anyone reuses it, so the caller synchronizes after.
+MK_DEVICE void block_merge_bests(float* s_act, const float* v, const int* i, float& bv, int& bi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* s_v = s_act;
+  int* s_i = reinterpret_cast<int*>(s_act + kWarps * kB);
+  if (lane == 0)
+#pragma unroll
+    for (int b = 0; b < kB; b++) { s_v[warp * kB + b] = v[b]; s_i[warp * kB + b] = i[b]; }
+  __syncthreads();
+  if (warp < kB) {  // warp b merges slot b's kWarps bests
+    bv = lane < kWarps ? s_v[lane * kB + warp] : -INFINITY;
+    bi = lane < kWarps ? s_i[lane * kB + warp] : 0x7fffffff;
+    warp_argmax(bv, bi);
+  }
+}
+#endif
+
 #if MK_BLOCK_BEST
 static_assert(MK_BATCH > 1, "block_best: batch builds");
 // block_best, at the LM phase's end: the block's warps' bests (lane 0 of each streaming warp holds its warp's)
@@ -47,22 +67,19 @@ static_assert(MK_BATCH > 1, "block_best: batch builds");
 // argmax_merge's total order. The grid barrier after the LM phase synchronizes the block anyway.
 MK_DEVICE void block_best_slots(const MkParams& p, float* s_act, const WeightStream& st, const float* best,
                                 const int* best_i) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* s_v = s_act;
-  int* s_i = reinterpret_cast<int*>(s_act + kWarps * kB);
-  __syncthreads();  // every warp done reading s_act (the LM input)
-  if (lane == 0)
+  float v[kB]; int i[kB];
 #pragma unroll
-    for (int b = 0; b < kB; b++) {
-      s_v[warp * kB + b] = st.gw >= 0 ? best[b] : -INFINITY;  // (a control warp streams nothing)
-      s_i[warp * kB + b] = st.gw >= 0 ? best_i[b] : 0x7fffffff;
-    }
-  __syncthreads();
-  if (warp < kB) {  // warp b: slot b's best of the block
-    float v = lane < kWarps ? s_v[lane * kB + warp] : -INFINITY;
-    int i = lane < kWarps ? s_i[lane * kB + warp] : 0x7fffffff;
-    warp_argmax(v, i);
-    if (lane == 0) { p.best_val[warp * gridDim.x + blockIdx.x] = v; p.best_idx[warp * gridDim.x + blockIdx.x] = i; }
+  for (int b = 0; b < kB; b++) {  // (a control warp streams nothing)
+    v[b] = st.gw >= 0 ? best[b] : -INFINITY;
+    i[b] = st.gw >= 0 ? best_i[b] : 0x7fffffff;
+  }
+  __syncthreads();  // every warp done reading s_act (the LM input)
+  float bv; int bi;
+  block_merge_bests(s_act, v, i, bv, bi);
+  const int warp = threadIdx.x >> 5;
+  if (warp < kB && (threadIdx.x & 31) == 0) {
+    p.best_val[warp * gridDim.x + blockIdx.x] = bv;
+    p.best_idx[warp * gridDim.x + blockIdx.x] = bi;
   }
 }
 #endif
@@ -72,7 +89,7 @@ MK_DEVICE void block_best_slots(const MkParams& p, float* s_act, const WeightStr
 // flight together and one block exchange serves the batch (the timeline probe measured sample + emit at 14.3 us
 // per B = 4 step against 2.4 at B = 1: one dependent L2 round trip and three __syncthreads per slot). Same
 // tokens as reduce_best: argmax_merge is a total order (ties: the lowest id), so the merge order does not matter.
-// Scratch: s_act (free between the LM phase and the next prologue), [kWarps][kB] values then indices.
+// Scratch: s_act (free between the LM phase and the next prologue).
 MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok) {
   const int nw = MK_BLOCK_BEST ? (int)gridDim.x : (int)gridDim.x * kStreamWarps;  // (block_best: one per block)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -84,23 +101,15 @@ MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live,
 #pragma unroll
     for (int b = 0; b < kB; b++)
       if ((live >> b) & 1u) argmax_merge(v[b], i[b], __ldcg(p.best_val + (long long)b * nw + w), __ldcg(p.best_idx + (long long)b * nw + w));
-  float* s_v = s_act;
-  int* s_i = reinterpret_cast<int*>(s_act + kWarps * kB);
 #pragma unroll
-  for (int b = 0; b < kB; b++) {
-    warp_argmax(v[b], i[b]);
-    if (lane == 0) { s_v[warp * kB + b] = v[b]; s_i[warp * kB + b] = i[b]; }
-  }
-  __syncthreads();
-  if (warp < kB) {  // warp b merges slot b's kWarps bests
-    float bv = lane < kWarps ? s_v[lane * kB + warp] : -INFINITY;
-    int bi = lane < kWarps ? s_i[lane * kB + warp] : 0x7fffffff;
-    warp_argmax(bv, bi);
-    if (lane == 0) s_i[kWarps * kB + warp] = bi;
-  }
+  for (int b = 0; b < kB; b++) warp_argmax(v[b], i[b]);
+  float bv; int bi;
+  block_merge_bests(s_act, v, i, bv, bi);
+  int* s_tok = reinterpret_cast<int*>(s_act + 2 * kWarps * kB);
+  if (warp < kB && lane == 0) s_tok[warp] = bi;
   __syncthreads();
 #pragma unroll
-  for (int b = 0; b < kB; b++) tok[b] = ((live >> b) & 1u) ? s_i[kWarps * kB + b] : 0;
+  for (int b = 0; b < kB; b++) tok[b] = ((live >> b) & 1u) ? s_tok[b] : 0;
   __syncthreads();  // s_act is the next prologue's
 }
 static_assert(kB <= kWarps && 2 * kWarps * kB + kB <= MK_ACT_FLOATS, "reduce_best_slots' scratch in s_act");

@@ -7,9 +7,8 @@ from replicas import layout_attn_o, layout_fused
 
 
 def option_error(lay) -> str | None:
-    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best / fold_x /
-    resident /
-    act_bf16, or None."""
+    """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best /
+    fold_x / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:

@@ -90,6 +90,7 @@ class MonokernelEngine:
 
     kind = "monokernel"
     max_batch = 1
+    failed: str | None = None  # why the GPU can run nothing more (EngineFailed); every later request is refused
 
     def __init__(self, config: ModelConfig, tensors, devices: Sequence[int] = (0,),
                  max_context: int | None = None, progress: bool | None = None,
@@ -150,9 +151,8 @@ class MonokernelEngine:
 
     # ---- helpers ---------------------------------------------------------------------------
     def _take(self) -> None:
-        failed = getattr(self, "failed", None)
-        if failed:
-            raise EngineFailed(failed)
+        if self.failed:
+            raise EngineFailed(self.failed)
         if not self._busy.acquire(blocking=False):
             raise EngineBusy("the monokernel engine is decoding another generation (max_batch=1); "
                              "retry when it finishes")

@@ -84,6 +84,17 @@ def build(layout: KernelLayout) -> ctypes.CDLL:
     return so
 
 
+def teacher_forced(prefill, decode, ids: Sequence[int], prefill_len: int) -> np.ndarray:
+    """[len, V] logits of `ids`: prefill(ids[:p], all_logits=True) -> (x_last, head) for the first p positions, then
+    decode(x_last, p, steps, forced) -> [steps, V] from the kernel (its row 0 repeats the prefill's last)."""
+    p = max(1, min(prefill_len, len(ids)))
+    x_last, head = prefill(ids[:p], all_logits=True)
+    rows = [head]
+    if len(ids) > p:
+        rows.append(decode(x_last, p, len(ids) - p + 1, list(ids[p:]))[1:])
+    return np.concatenate(rows).astype(np.float32, copy=False)
+
+
 class EmuModel:
     """GpuModel's buffers and single-sequence launch, in host memory, run by the emulated kernel."""
 
@@ -179,15 +190,12 @@ class EmuModel:
 
     def forward_logits(self, ids: Sequence[int], prefill_len: int = 16) -> np.ndarray:
         """MonokernelEngine.forward_logits: [len, V], positions >= prefill_len from the kernel."""
-        p = max(1, min(prefill_len, len(ids)))
-        x_last, head = self.prefill(ids[:p], all_logits=True)
-        rows = [head]
-        if len(ids) > p:
-            steps = len(ids) - p + 1
+        def decode(x_last, p, steps, forced):
             out = np.zeros((steps, self.config.vocab_size), np.float32)
-            self.launch(x_last, p, steps, forced=list(ids[p:]), logits=out)
-            rows.append(out[1:])
-        return np.concatenate(rows).astype(np.float32, copy=False)
+            self.launch(x_last, p, steps, forced=forced, logits=out)
+            return out
+
+        return teacher_forced(self.prefill, decode, ids, prefill_len)
 
     def generate_greedy(self, ids: Sequence[int], n: int) -> list[int]:
         x_last, _ = self.prefill(ids)

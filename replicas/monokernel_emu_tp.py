@@ -26,7 +26,7 @@ import numpy as np
 
 from replicas import layout as L
 from replicas.model import ModelConfig
-from replicas.monokernel_emu import EmuModel
+from replicas.monokernel_emu import EmuModel, teacher_forced
 from replicas.monokernel_gpu import buffer_ptr
 from replicas.tp_prefill import ShardedPrefill
 from replicas.tp_shard import check_tp, shard_config, shard_tensors
@@ -52,11 +52,6 @@ class EmuTpGroup:
         for rank, m in enumerate(self.ranks):
             m.tp_params = {"tp_local": buffer_ptr(self.regions[rank]), "tp_peers": buffer_ptr(self.peer_table),
                            "tp_rank": rank, "tp_timeout_ns": int(peer_timeout_ns)}
-
-    @property
-    def host_ctrl(self) -> np.ndarray:
-        """Rank 0's control words: the engine streams from and cancels through rank 0 (monokernel_tp.py)."""
-        return self.ranks[0].host_ctrl
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False):
         """(per-rank last hidden states, logits [T, V] or None): the numpy sharded prefill, which also writes
@@ -97,16 +92,14 @@ class EmuTpGroup:
                                + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
     def forward_logits(self, ids: Sequence[int], prefill_len: int = 16) -> np.ndarray:
-        """[len, V]: the sharded prefill's logits for the first `prefill_len` positions, the TP kernel's after."""
-        p = max(1, min(prefill_len, len(ids)))
-        x_last, head = self.prefill(ids[:p], all_logits=True)
-        rows = [head]
-        if len(ids) > p:
-            steps = len(ids) - p + 1
+        """[len, V]: the sharded prefill's logits for the first `prefill_len` positions, the TP kernel's after (the
+        ranks' vocabulary slices side by side, the last one's padding dropped)."""
+        def decode(x_last, p, steps, forced):
             outs = [np.zeros((steps, m.config.vocab_size), np.float32) for m in self.ranks]
-            self.launch(x_last, p, steps, forced=list(ids[p:]), logits=outs)
-            rows.append(np.concatenate([o[1:] for o in outs], axis=1)[:, :self.config.vocab_size])
-        return np.concatenate(rows).astype(np.float32, copy=False)
+            self.launch(x_last, p, steps, forced=forced, logits=outs)
+            return np.concatenate(outs, axis=1)[:, :self.config.vocab_size]
+
+        return teacher_forced(self.prefill, decode, ids, prefill_len)
 
     def generate(self, ids: Sequence[int], n: int, **kw) -> list[int]:
         """Up to n tokens after prompt `ids` (mode/temperature/top_k/top_p/seed/stop_ids/cancel as launch):
