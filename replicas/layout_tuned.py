@@ -56,7 +56,12 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
 # for the CUDA-core MLP: a caller who asks for it, or for mma (every matvec on tensor cores), gets the old set.
 # Session 11: mma_qkv + mma_o (QKV and the O-proj block-tiled on tensor cores) +14.1% per request at B = 4 of 4 on
 # llama-3.2-1b (760.5 -> 868.1 tok/s; mma_o alone +9.0%, mma_qkv alone +4.6%), same greedy tokens, batch gpu tests 14/14.
-TUNED_BATCH = {"ao_slots": True, "mma_mlp": True, "mma_lm": True, "norm_once": True, "mma_qkv": True, "mma_o": True}
+# Session 12: fold_x (the residual kept in the int64 accumulators: the batch prologues read 8 of 12 bytes per element
+# and slot; they are bound by L2 bandwidth) +5.5% at B = 4 of 4 on llama-3.2-1b (878.9 -> 927.0 tok/s) and +9.4% at
+# B = 8; llama-3.1-8b +5.3% at B = 4, +6.2% at B = 8; batch gpu tests 14/14 with it. half_vec (-4.3% 1B B = 8) and
+# block_best (noise) stay off.
+TUNED_BATCH = {"ao_slots": True, "mma_mlp": True, "mma_lm": True, "norm_once": True, "mma_qkv": True, "mma_o": True,
+               "fold_x": True}
 TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
 
 

@@ -265,12 +265,13 @@ def test_fold_x_keeps_the_residual_in_the_accumulators(o_bias):
     rng = np.random.default_rng(53)
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (24, 16, 19)]
 
-    def run(**o):
-        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, **o}, num_sms=5)
-        assert ("-DMK_FOLD_X=1" in m.layout.compile_flags()) is bool(o)
+    def run(fold_x):
+        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, "fold_x": fold_x}, num_sms=5)
+        assert ("-DMK_FOLD_X=1" in m.layout.compile_flags()) is fold_x
         return m.forward_logits_slots(seqs)
 
-    base, folded = run(), run(fold_x=True)
+    assert TUNED_BATCH["fold_x"]  # (a batch default since session 12)
+    base, folded = run(False), run(True)
     for a, b in zip(folded, base):  # (measured: equal; bf16 matvec inputs absorb the residual's last-ulp moves)
         assert a.shape == b.shape and rel(a, b) <= 1e-4
     with pytest.raises(LayoutError, match="fold_x .* needs batch > 1"):
