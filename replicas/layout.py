@@ -405,61 +405,9 @@ class KernelLayout:
 
     # ---- what the compiler sees -----------------------------------------------------------
     def compile_flags(self) -> list[str]:
-        s = self.splits
-        defs = {
-            "MK_H": self.hidden, "MK_HP": self.hp, "MK_I": self.inter, "MK_IP": self.ip,
-            "MK_L": self.layers, "MK_NH": self.heads, "MK_NKV": self.kv_heads, "MK_D": self.head_dim,
-            "MK_QP": self.qp, "MK_V": self.vocab, "MK_EPS": f"{self.eps!r}f",
-            "MK_QKV_BIAS": int(self.qkv_bias), "MK_O_BIAS": int(self.o_bias), "MK_QK_NORM": int(self.qk_norm),
-            "MK_MAX_CTX": self.max_ctx, "MK_THREADS": self.threads, "MK_RING": self.ring_slots,
-            "MK_ACT_FLOATS": self.act_floats, "MK_S_QKV": s["qkv"], "MK_S_O": s["o"], "MK_S_DN": s["dn"],
-            "MK_ATTN_TILE": ATTN_TILE, "MK_MAX_STOP": MAX_STOP_IDS, "MK_MAX_SPLITS": MAX_ATTN_SPLITS,
-            "MK_EVICT_FIRST": int(self.evict_first), "MK_CTRL_WARP": int(self.control_warp),
-            "MK_BAR_RELEASE": int(self.bar_release), "MK_QKV_FLAGS": int(self.qkv_flags),
-            "MK_KV_REGS": int(self.kv_regs), "MK_PF_GU": self.l2_prefetch_per_warp()[0], "MK_PF_DN": self.l2_prefetch_per_warp()[1],
-        }
-
-        if self.x_perm:  # emitted only when set, like the fused options
-            defs["MK_XPERM"] = 1
-        if self.split_pos != ATTN_SPLIT_POS:
-            defs["MK_SPLIT_POS"] = self.split_pos
-        if self.fused_mlp:  # emitted only when on: default builds keep their flags (and cubins)
-            r, wc, m = layout_fused.down_geometry(self.hp, self.warps_per_block)
-            defs.update({"MK_FUSED_MLP": 1, "MK_FX_R": r, "MK_FX_WC": wc, "MK_FX_M": m,
-                         "MK_FX_PART": layout_fused.part_floats(self), "MK_FX_SHIFT": layout_fused.FX_SHIFT})
-        if self.fused_attn_o:  # emitted only when on, like fused_mlp
-            defs.update({"MK_ATTN_O": 1, "MK_AO_GDP": layout_attn_o.group_len(self)})
-        if self.batch > 1:  # emitted only for batch builds, like the options above
-            defs.update({"MK_BATCH": self.batch, "MK_ACT_VEC": self.act_vec,
-                         "MK_FX_SLICE": layout_fused.slice_floats(self)})
-            if self.ao_slots:
-                defs["MK_AO_SLOTS"] = 1
-            if self.resident:
-                defs.update({"MK_RESIDENT": 1, "MK_RED_FLOATS": self.red_floats})
-            if self.act_bf16:
-                defs["MK_ACT_BF16"] = 1
-            if self.norm_once:
-                defs["MK_NORM_ONCE"] = 1
-        if self.mma:  # emitted only when on, like the options above
-            defs.update({"MK_MMA": 1, "MK_VT": layout_mma.vocab_rows(self)})
-        if layout_mma_mlp.block_tiled(self):
-            defs["MK_MMLP_PIECES"] = layout_mma_mlp.pieces(self)
-        for option, flag in SWITCH_FLAGS:  # one-bit options: flag = 1 when on
-            if getattr(self, option):
-                defs[flag] = 1
-        if self.mma_lm:
-            defs["MK_VT"] = layout_mma.vocab_rows(self)
-        if self.dn_passes > 1:
-            defs["MK_DN_PASSES"] = self.dn_passes
-        if self.norm_early:
-            defs["MK_NORM_EARLY"] = 1
-        if self.ao_preload:
-            defs["MK_AO_PRELOAD"] = 1
-        if self.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had
-            defs.update({"MK_TP": self.tp, "MK_V_ALL": self.vocab_total,
-                         "MK_TP_SKIP_AR": int(self.tp_skip_allreduce)})
-            defs.update({f"MK_TP_OFF_{k}": v for k, v in self.tp_offsets().items()})
-        return [f"-D{k}={v}" for k, v in defs.items()]
+        """The -D flags of this build (replicas/layout_flags.py)."""
+        from replicas.layout_flags import compile_defs
+        return [f"-D{k}={v}" for k, v in compile_defs(self).items()]
 
     def buffer_sizes(self) -> dict[str, int]:
         """Element counts of the fp32 work buffers the kernel's parameter block points to."""
