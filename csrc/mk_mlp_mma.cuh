@@ -56,28 +56,4 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
   }
   MK_TL_AT(tl, 13);
 }
-
-#ifdef MK_GU_PF
-// Layout option gu_pf (bytes per warp): HBM idles through the attention chain (the weight rings are full: the
-// O chunks and the first gate/up chunks wait in them), so after its QKV tiles each warp asks L2 to fetch the
-// part of this layer's gate/up run that its ring will only reach during the gate/up phase: chunks [MK_RING,
-// MK_RING + MK_GU_PF / 512) of the run (a hint; the ring's cp.async then hits L2). Lanes split the range.
-MK_DEVICE void gu_l2_prefetch(const WeightStream& st, const MkParams& p, int layer) {
-  if (st.gw < 0) return;
-  const TileShare s = gu_share(st.gw);
-  const long long chunks = 2LL * (s.q1 - s.q0);  // the run: a gate and an up chunk per (tile, k-step)
-  const long long c0 = min((long long)MK_RING, chunks), c1 = min(chunks, c0 + MK_GU_PF / (2 * kChunk));
-  if (c1 <= c0) return;
-  const long long n = (c1 - c0) * 2 * kChunk;  // bytes
-  const long long piece = ((n + 31) / 32 + 15) & ~15LL, off = st.lane * piece;
-  if (off >= n) return;
-  const char* src = reinterpret_cast<const char*>(p.w_gu + layer * kStrideGU + ((long long)s.v0 * kKS + s.q0) * 2 * kChunk
-                                                  + c0 * kChunk) + off;
-#ifndef MK_EMU  // (a hint: nothing to emulate)
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"((unsigned)min(piece, n - off)) : "memory");
-#else
-  (void)src;
-#endif
-}
-#endif
 #endif  // MK_MMA_MLP

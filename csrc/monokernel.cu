@@ -367,9 +367,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkP
         for (int b = 0; b < kB; b++) if ((live >> b) & 1u) slot_qkv(p, b)[u] = acc[b];
       }, live);
 #endif
-#if MK_MMA_MLP && defined(MK_GU_PF)
-      gu_l2_prefetch(st, p, layer);  // (after this block's QKV tiles: HBM idles until the O phase)
-#endif
 #if MK_ATTN_O && MK_FOLD_X
       ao_fold_init(p, layer == 0 ? nullptr : fx_acc(p, fx_turn - 1), tok, live, layer);  // (set, not zeroed)
 #elif MK_ATTN_O

@@ -162,7 +162,6 @@ class KernelLayout:
     half_vec: bool = False  # all-tensor-core batch builds: the staged bf16 slot inputs in half the shared memory
     block_best: bool = False  # batch builds: the LM head's warp bests merged per block before they go to memory
     fold_x: bool = False  # batch builds: the residual kept in the int64 accumulators (prologues read 8 of 12 bytes)
-    gu_pf: int = 0  # mma_mlp: bytes per warp of its gate/up run beyond the ring warmed into L2 during attention
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -180,7 +179,7 @@ class KernelLayout:
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
                     mma_o: bool = False, half_vec: bool = False, block_best: bool = False,
-                    fold_x: bool = False, gu_pf: int = 0) -> KernelLayout:
+                    fold_x: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -208,7 +207,7 @@ class KernelLayout:
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
                    mma_o=bool(mma_o), half_vec=bool(half_vec), block_best=bool(block_best),
-                   fold_x=bool(fold_x), gu_pf=int(gu_pf))
+                   fold_x=bool(fold_x))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():

@@ -58,8 +58,6 @@ def compile_defs(lay) -> dict:
         defs["MK_DN_PASSES"] = lay.dn_passes
     if lay.norm_early:
         defs["MK_NORM_EARLY"] = 1
-    if lay.gu_pf:
-        defs["MK_GU_PF"] = lay.gu_pf
     if lay.ao_preload:
         defs["MK_AO_PRELOAD"] = 1
     if lay.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had

@@ -8,7 +8,7 @@ from replicas import layout_attn_o, layout_fused
 
 def option_error(lay) -> str | None:
     """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best /
-    fold_x / gu_pf / resident / act_bf16, or None."""
+    fold_x / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -35,9 +35,6 @@ def option_error(lay) -> str | None:
     if lay.half_vec and not (lay.mma_qkv and lay.mma_o and lay.mma_mlp and lay.mma_lm):
         return ("half_vec halves a batch build's staged inputs, which must then all be bf16: it needs mma_qkv, mma_o, "
                 "mma_mlp and mma_lm (the batch defaults)")
-    if lay.gu_pf and not (lay.mma_mlp and 0 < lay.gu_pf <= 65536 and lay.gu_pf % 512 == 0):
-        return (f"gu_pf={lay.gu_pf}: bytes per warp of mma_mlp's gate/up run warmed into L2 (a multiple of 512, at "
-                "most 65536); it needs mma_mlp (batch builds)")
     if lay.dn_passes != 1:
         geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
         if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):
