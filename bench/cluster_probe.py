@@ -4,8 +4,10 @@ csrc/NOTES.md "Batch speed after session 12"). A standalone probe, one GPU, ~1 m
     python bench/cluster_probe.py [--out DIR]
 
 1. Launch: whether a grid of one 512-thread block per SM (200 KB of shared memory each, as the monokernel) can
-   be launched cooperatively *and* in clusters of 2 / 4 (cuLaunchKernelEx with both attributes), and how many
-   clusters fit at once (cuOccupancyMaxActiveClusters): the kernel's grid barriers need every block resident.
+   be launched cooperatively *and* in clusters of 2 / 4 (cuLaunchKernelEx with both attributes), whether a
+   kernel with `__cluster_dims__(2, 1, 1)` compiled in runs under CuPy's cooperative launch (the monokernel's
+   launch path today), and how many clusters fit at once (cuOccupancyMaxActiveClusters): the kernel's grid
+   barriers need every block resident.
 2. Prologue pattern: every block reads the same n int64 accumulators from L2 (n = hidden x B: 8,192 at 1B B = 4,
    16,384 at B = 8), converts them and stores bf16 in shared memory, then a grid barrier; against clusters whose
    blocks each read 1/c of the vector and store it into every cluster block's shared memory (DSMEM), then a
@@ -54,9 +56,9 @@ __device__ __forceinline__ void grid_barrier(unsigned* count, unsigned& epoch) {
 // mode 0: barriers only; 1: prologue, every block reads all n; 2: prologue, cluster blocks read 1/c each and
 // share over DSMEM; 3: n atomics per block; 4: cluster blocks sum partials over DSMEM, then n / c atomics each.
 // csize: blocks per cluster (1 = no cluster). out[0] = ns of the timed loop (block 0), out[1] = a checksum.
-extern "C" __global__ void __launch_bounds__(512, 1)
-probe(const long long* __restrict__ acc, unsigned long long* __restrict__ sink, unsigned* count,
-      unsigned long long* out, int n, int mode, int csize, int iters) {
+__device__ __forceinline__ void probe_body(const long long* __restrict__ acc, unsigned long long* __restrict__ sink,
+                                           unsigned* count, unsigned long long* out, int n, int mode, int csize,
+                                           int iters) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned short* s_vec = reinterpret_cast<unsigned short*>(smem);               // [n] bf16
   float* s_part = reinterpret_cast<float*>(smem + 2 * 16384 * sizeof(unsigned short));  // [n] fp32 partials
@@ -104,6 +106,19 @@ probe(const long long* __restrict__ acc, unsigned long long* __restrict__ sink, 
   }
   const unsigned long long t1 = now_ns();
   if (blockIdx.x == 0 && threadIdx.x == 0) { out[0] = t1 - t0; out[1] = (unsigned long long)check; }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+probe(const long long* __restrict__ acc, unsigned long long* __restrict__ sink, unsigned* count,
+      unsigned long long* out, int n, int mode, int csize, int iters) {
+  probe_body(acc, sink, count, out, n, mode, csize, iters);
+}
+// The same with its cluster shape compiled in: launched through CuPy's own cooperative launch (the way the
+// monokernel is launched today), which would need no new launch path if the driver accepts it.
+extern "C" __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(512, 1)
+probe_cd2(const long long* __restrict__ acc, unsigned long long* __restrict__ sink, unsigned* count,
+          unsigned long long* out, int n, int mode, int csize, int iters) {
+  probe_body(acc, sink, count, out, n, mode, 2, iters);
 }
 """
 
@@ -174,6 +189,21 @@ def main() -> None:
             return f"launch error {rc}"
         stream.synchronize()
         return float(cp.asnumpy(out)[0]) / iters / 1e3  # us per iteration
+
+    # compile-time cluster shape, CuPy's cooperative launch (cuLaunchCooperativeKernel)
+    import numpy as np
+
+    cd2 = mod.get_function("probe_cd2")
+    cd2.max_dynamic_shared_size_bytes = SMEM
+    try:
+        count.fill(0)
+        cd2((sms,), (THREADS,), (acc, sink, count, out, np.int32(8192), np.int32(2), np.int32(2), np.int32(10)),
+            shared_mem=SMEM)
+        stream.synchronize()
+        res["launch"]["cupy_cooperative_cluster_dims_2"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the answer is the point
+        res["launch"]["cupy_cooperative_cluster_dims_2"] = repr(e)[:300]
+    print(json.dumps(res), flush=True)
 
     for csize in (1, 2, 4):
         grid = sms - sms % csize
