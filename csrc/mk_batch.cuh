@@ -145,6 +145,81 @@ MK_DEVICE int slot_pos(const MkParams& p, int b, int step) {
 // of one reduction round trip per slot; the sums run in block_sum's order, so each slot's values equal
 // the B = 1 kernel's bit for bit. Scratch: s_red[kWarps * kB + kB] (layout.red_floats).
 // kFrag (mma_mlp's gate/up input): bf16 in mma B-fragment order (frag_half) instead of act_store's layout.
+#if MK_PAIR_NORM
+// Layout option pair_norm: the batch prologues are bound by L2 bandwidth, every block reading every slot's whole
+// residual (session 12: fold_x's third fewer bytes gave +5.5% at B = 4). Blocks run in clusters of two (one TPC);
+// each loads half of every slot's elements (its rank's half of the kIt strides), the pair adds its two halves'
+// sums of squares in rank order (the same in every pair, so every block stages the same values), and each block
+// stores its half of the normed vectors into both blocks' shared memory. Three cluster barriers: the first
+// keeps a block from writing into its peer's s_red / s_act while the peer still reads them (the embed prologue
+// follows sample + emit without a grid barrier). Sums run in another order than residual_norm_slots' below:
+// fp32-level differences, not bit-equal.
+template <bool kFrag = false, class Load, class Dst>
+MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const float* w, float* s_act, float* s_red) {
+  static_assert(MK_CLUSTER == 2, "pair_norm: clusters of two blocks");
+  constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS, kHalf = (kIt + 1) / 2;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned rank = __clusterRelativeBlockRank();
+  float* peer_act = static_cast<float*>(__cluster_map_shared_rank(s_act, rank ^ 1u));
+  float* peer_red = static_cast<float*>(__cluster_map_shared_rank(s_red, rank ^ 1u));
+  float xv[kB][kHalf], nw[kHalf];
+#pragma unroll
+  for (int kk = 0; kk < kHalf; kk++) {
+    const int k = (int)rank * kHalf + kk, i = threadIdx.x + k * MK_THREADS;
+    nw[kk] = k < kIt && i < MK_H ? w[i] : 0.f;
+  }
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+#pragma unroll
+    for (int kk = 0; kk < kHalf; kk++) {
+      const int k = (int)rank * kHalf + kk, i = threadIdx.x + k * MK_THREADS;
+      xv[b][kk] = k < kIt && i < MK_H && ((live >> b) & 1u) ? load(b, i) : 0.f;
+    }
+  float ss[kB];
+#pragma unroll
+  for (int b = 0; b < kB; b++) {
+    ss[b] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHalf; kk++) ss[b] += xv[b][kk] * xv[b][kk];
+    ss[b] = warp_sum(ss[b]);
+  }
+  cluster_sync();  // the peer is done with its s_red / s_act of the phase before
+  if (lane == 0)
+#pragma unroll
+    for (int b = 0; b < kB; b++) s_red[warp * kB + b] = ss[b];
+  __syncthreads();
+  if (warp < kB) {  // warp b totals this block's half of slot b, into both blocks' s_red
+    float t = lane < kWarps ? s_red[lane * kB + warp] : 0.f;
+    t = warp_sum(t);
+    if (lane == 0) s_red[kWarps * kB + rank * kB + warp] = peer_red[kWarps * kB + rank * kB + warp] = t;
+  }
+  cluster_sync();  // both halves' sums in both blocks
+#pragma unroll
+  for (int b = 0; b < kB; b++) {
+    if (!((live >> b) & 1u)) continue;
+    const float r = rsqrtf((s_red[kWarps * kB + b] + s_red[kWarps * kB + kB + b]) / MK_H + MK_EPS);
+    float* dst = xdst(b);
+#pragma unroll
+    for (int kk = 0; kk < kHalf; kk++) {
+      const int k = (int)rank * kHalf + kk, i = threadIdx.x + k * MK_THREADS;
+      if (k < kIt && i < MK_HP) {
+        const float x = xv[b][kk];
+        if (i < MK_H && dst && blockIdx.x < 2) dst[i] = x;  // (cluster 0: each block its half)
+        const float v = i < MK_H ? x * r * nw[kk] : 0.f;
+        if constexpr (kFrag) {
+          const uint16_t h = f32_to_bf16(v);
+          reinterpret_cast<uint16_t*>(s_act)[frag_half(b, i)] = h;
+          reinterpret_cast<uint16_t*>(peer_act)[frag_half(b, i)] = h;
+        } else {
+          act_store(s_act, b, i, v);
+          act_store(peer_act, b, i, v);
+        }
+      }
+    }
+  }
+  cluster_sync();  // both halves staged in both blocks
+}
+#else
 template <bool kFrag = false, class Load, class Dst>
 MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const float* w, float* s_act, float* s_red) {
   constexpr int kIt = (MK_HP + MK_THREADS - 1) / MK_THREADS;
@@ -219,5 +294,6 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
   __syncthreads();
 #undef MK_NORM_X
 }
+#endif  // MK_PAIR_NORM
 static_assert(kB <= kWarps, "one warp per slot totals the batch prologue");
 #endif

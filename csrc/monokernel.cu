@@ -81,12 +81,17 @@ MK_DEVICE void stage_vector(const float* src, float* s_act) {
   __syncthreads();
 }
 
+#if MK_PAIR_NORM
+#define MK_CLUSTER_DIMS __cluster_dims__(2, 1, 1)  // (pairs of blocks: mk_batch.cuh residual_norm_slots)
+#else
+#define MK_CLUSTER_DIMS
+#endif
 #if MK_PARAM_VALUE && !defined(MK_EMU)
 // The parameter block by value: every p.field is a constant-bank operand, not a global load the
 // profiler saw stall on (long scoreboard) at each run switch, epilogue and prologue.
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const __grid_constant__ MkParams p) {
+extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) monokernel(const __grid_constant__ MkParams p) {
 #else
-extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) monokernel(const MkParams* __restrict__ pp) {
+extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) monokernel(const MkParams* __restrict__ pp) {
   const MkParams& p = *pp;
 #endif
   extern __shared__ __align__(16) unsigned char smem[];

@@ -8,7 +8,7 @@ from replicas import layout_attn_o, layout_fused
 
 def option_error(lay) -> str | None:
     """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best /
-    fold_x / resident / act_bf16, or None."""
+    fold_x / pair_norm / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -35,6 +35,9 @@ def option_error(lay) -> str | None:
     if lay.half_vec and not (lay.mma_qkv and lay.mma_o and lay.mma_mlp and lay.mma_lm):
         return ("half_vec halves a batch build's staged inputs, which must then all be bf16: it needs mma_qkv, mma_o, "
                 "mma_mlp and mma_lm (the batch defaults)")
+    if lay.pair_norm and not (lay.batch > 1 and lay.tp == 1 and lay.num_sms % 2 == 0):
+        return (f"pair_norm runs a batch build's blocks in clusters of two: it needs batch > 1, tp=1 and an even "
+                f"grid (num_sms={lay.num_sms})")
     if lay.dn_passes != 1:
         geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
         if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):

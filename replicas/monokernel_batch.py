@@ -30,7 +30,7 @@ from replicas.layout_fused import pack_down_fused
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
-                      "half_vec", "block_best", "fold_x")  # layout options the single-sequence build does not take
+                      "half_vec", "block_best", "fold_x", "pair_norm")  # layout options the single-sequence build does not take
 
 
 def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:

@@ -22,9 +22,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None or platform.machine(
                                 reason="the CPU emulation needs g++ on x86-64 (its fiber switch is x86-64 assembly)")
 
 
-@pytest.fixture(scope="module", params=[{}, {"mma": True}, TUNED_BATCH, {**TUNED_BATCH, "fold_x": False}],
-                ids=["default", "mma", "tensor-core-batch", "unfolded"])  # (the defaults' fold_x: the handover reads
-# the accumulators; unfolded: the residual beside them, as before session 12)
+@pytest.fixture(scope="module", params=[{}, {"mma": True}, TUNED_BATCH, {**TUNED_BATCH, "fold_x": False},
+                                        {**TUNED_BATCH, "pair_norm": True}],
+                ids=["default", "mma", "tensor-core-batch", "unfolded", "pair-norm"])  # (the defaults' fold_x: the
+# handover reads the accumulators; unfolded: the residual beside them, as before session 12; pair-norm: the
+# prologues in block pairs, cluster barriers through joins, handovers and sessions)
 def emu(request, tiny_checkpoint):
     from replicas.model import ModelConfig
     from replicas.monokernel_batch import BATCH_ONLY_OPTIONS

@@ -137,18 +137,21 @@ def test_slots_join_while_decoding_at_step_zero_and_after_every_slot_finished(ti
 
 
 @emu_only
-def test_the_batch_defaults_admit_joins_at_step_zero_and_while_decoding(tiny):
+@pytest.mark.parametrize("extra,sms", [({}, 4), ({"pair_norm": True}, 5)], ids=["defaults", "pair-norm"])
+def test_the_batch_defaults_admit_joins_at_step_zero_and_while_decoding(tiny, extra, sms):
     """The resident build with the batched engine's defaults (layout_tuned.TUNED_BATCH: the MLP and the LM head on
     tensor cores, whose joined slots' LM input is the handed-over hidden state; ao_slots, whose combine divided by
     the live slot count while the launch idled): joins at step 0, while another decodes, and after an idle spell
-    give the single kernel's greedy tokens (these prompts have no near tie at bf16 level)."""
+    give the single kernel's greedy tokens (these prompts have no near tie at bf16 level). pair-norm: the same in
+    block pairs (4 of 5 blocks: an even grid), the embed prologue after sample + emit and the idle layers included."""
     from replicas.layout_tuned import TUNED_BATCH
     from replicas.monokernel_batch import SlotSpec
     from replicas.monokernel_emu_batch import EmuBatchGpu
     from replicas.monokernel_prefill import Prefill
 
     cfg, tensors, one = tiny
-    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options=TUNED_BATCH)
+    gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options={**TUNED_BATCH, **extra}, num_sms=sms)
+    assert gpu.layout.pair_norm is bool(extra)
     assert gpu.layout.mma_mlp and gpu.layout.mma_lm and not gpu.single_layout.mma_mlp
     rng = np.random.default_rng(43)
     prompts = {b: rng.integers(0, cfg.vocab_size, n).tolist() for b, n in ((2, 9), (1, 11), (0, 8))}

@@ -52,6 +52,7 @@ struct Warp {  // one warp's collective state
 };
 struct Block {
   unsigned arrived = 0, round = 0;  // __syncthreads
+  unsigned c_arrived = 0, c_round = 0;  // the cluster barrier (kept in each cluster's first block)
   std::vector<Warp> warps;
   std::vector<unsigned char> smem;
 };
@@ -111,6 +112,30 @@ inline void __syncthreads() {
 inline void __syncwarp(unsigned = 0xffffffffu) {
   unsigned long long none = 0;
   mk_emu::warp_exchange(&none, 1);
+}
+// Thread-block clusters of MK_CLUSTER consecutive blocks (the kernel's __cluster_dims__, layout option pair_norm):
+// a block's rank, another block's shared memory at the same offset (DSMEM), and the cluster barrier.
+#ifndef MK_CLUSTER
+#define MK_CLUSTER 1
+#endif
+#define __cluster_dims__(x, y, z)
+inline unsigned __clusterRelativeBlockRank() { return mk_emu::cur->bid.x % MK_CLUSTER; }
+inline mk_emu::Block& mk_emu_cluster_block(unsigned rank) {
+  return (*mk_emu::blocks)[mk_emu::cur->bid.x - mk_emu::cur->bid.x % MK_CLUSTER + rank];
+}
+inline void* __cluster_map_shared_rank(const void* ptr, unsigned rank) {
+  const size_t off = static_cast<const unsigned char*>(ptr) - mk_emu::block_smem();
+  return mk_emu_cluster_block(rank).smem.data() + off;
+}
+inline void mk_emu_cluster_sync() {  // barrier.cluster.arrive + wait over every thread of the cluster's blocks
+  mk_emu::Block& b = mk_emu_cluster_block(0);
+  const unsigned r = b.c_round;
+  if (++b.c_arrived == MK_CLUSTER * mk_emu::block.x) {
+    b.c_arrived = 0;
+    b.c_round++;
+  } else {
+    while (b.c_round == r) mk_emu::yield();
+  }
 }
 template <class T>
 inline T mk_emu_shfl(T v, unsigned src) {
