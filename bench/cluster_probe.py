@@ -29,6 +29,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from replicas.cluster_launch import ExLaunch, launch_config  # noqa: E402
+
 THREADS = 512
 SMEM = 200 * 1024
 ITERS = 200
@@ -122,36 +126,6 @@ probe_cd2(const long long* __restrict__ acc, unsigned long long* __restrict__ si
 }
 """
 
-CU_LAUNCH_ATTRIBUTE_COOPERATIVE = 2
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-
-
-class LaunchAttribute(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_ubyte * 64)]
-
-
-class LaunchConfig(ctypes.Structure):
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-def launch_config(grid: int, csize: int, cooperative: bool, stream: int):
-    attrs = (LaunchAttribute * 2)()
-    k = 0
-    if cooperative:
-        attrs[k].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE
-        ctypes.memmove(attrs[k].value, ctypes.byref(ctypes.c_int(1)), 4)
-        k += 1
-    if csize > 1:
-        attrs[k].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        ctypes.memmove(attrs[k].value, (ctypes.c_uint * 3)(csize, 1, 1), 12)
-        k += 1
-    cfg = LaunchConfig(grid, 1, 1, THREADS, 1, 1, SMEM, stream, attrs, k)
-    return cfg, attrs  # (attrs kept alive by the caller)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
@@ -172,14 +146,14 @@ def main() -> None:
     res: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "sms": sms, "launch": {}, "us": {}}
 
     for csize in (2, 4):
-        cfg, keep = launch_config(sms, csize, True, stream.ptr)
+        cfg, keep = launch_config(sms, THREADS, SMEM, stream.ptr, True, csize)
         n_clusters = ctypes.c_int(0)
         rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n_clusters), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
         res["launch"][f"max_active_clusters_{csize}"] = n_clusters.value if rc == 0 else f"error {rc}"
 
     def launch(n: int, mode: int, csize: int, grid: int, iters: int = ITERS) -> float | str:
         count.fill(0)
-        cfg, keep = launch_config(grid, csize, True, stream.ptr)
+        cfg, keep = launch_config(grid, THREADS, SMEM, stream.ptr, True, csize)
         vals = [ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(sink.data.ptr), ctypes.c_uint64(count.data.ptr),
                 ctypes.c_uint64(out.data.ptr), ctypes.c_int(n), ctypes.c_int(mode), ctypes.c_int(csize),
                 ctypes.c_int(iters)]
@@ -203,6 +177,15 @@ def main() -> None:
         res["launch"]["cupy_cooperative_cluster_dims_2"] = "ok"
     except Exception as e:  # noqa: BLE001 - the answer is the point
         res["launch"]["cupy_cooperative_cluster_dims_2"] = repr(e)[:300]
+    # compile-time cluster shape, cooperative through cuLaunchKernelEx (MK_CLUSTER_LAUNCH=ex's path)
+    try:
+        count.fill(0)
+        ExLaunch(cd2)((sms,), (THREADS,), (acc, sink, count, out, np.int32(8192), np.int32(2), np.int32(2),
+                                          np.int32(10)), shared_mem=SMEM)
+        stream.synchronize()
+        res["launch"]["ex_cooperative_cluster_dims_2"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the answer is the point
+        res["launch"]["ex_cooperative_cluster_dims_2"] = repr(e)[:300]
     print(json.dumps(res), flush=True)
 
     for csize in (1, 2, 4):

@@ -10,6 +10,14 @@ set -u
 DEADLINE=${DEADLINE:-585}
 . bench/device_stage.sh
 stage cp 60 python3 bench/cluster_probe.py --out "$OUT/cp"
+# the launch path the probe found working: CuPy's cooperative launch with the compiled-in cluster shape, else
+# cuLaunchKernelEx (replicas/cluster_launch.py)
+MK_CLUSTER_LAUNCH=$(python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['launch']
+print('cupy' if r.get('cupy_cooperative_cluster_dims_2') == 'ok' or r.get('ex_cooperative_cluster_dims_2') != 'ok' else 'ex')
+" "$OUT/cp/cluster_probe.json" 2>/dev/null || echo cupy)
+export MK_CLUSTER_LAUNCH; echo "MK_CLUSTER_LAUNCH=$MK_CLUSTER_LAUNCH" >> "$OUT/summary.txt"
 stage ab1b4 100 python3 bench/batch.py --presets llama-3.2-1b --builds 4 --runs 3 --out /tmp/p14 --variants pair_norm
 stage ab1b8 100 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --runs 3 --out /tmp/p18 --variants pair_norm
 stage ab8b4 130 python3 bench/batch.py --presets llama-3.1-8b --builds 4 --runs 2 --out /tmp/p84 --variants pair_norm
