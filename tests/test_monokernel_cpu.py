@@ -126,7 +126,7 @@ def test_prefill_math_matches_reference(tiny):
 def test_kernel_source_is_self_contained():
     src = kernel_source()
     assert '#include "' not in src and "struct __align__(8) MkParams" in src
-    assert "extern \"C\" __global__ void __launch_bounds__" in src
+    assert "extern \"C\" __global__ void MK_CLUSTER_DIMS __launch_bounds__" in src  # (MK_CLUSTER_DIMS: pair_norm)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
