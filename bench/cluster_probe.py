@@ -129,8 +129,9 @@ probe_cd2(const long long* __restrict__ acc, unsigned long long* __restrict__ si
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    opts = ap.parse_args()
     import cupy as cp
+    import numpy as np
 
     cuda = ctypes.CDLL("libcuda.so.1")
     sms = cp.cuda.Device(0).attributes["MultiProcessorCount"]
@@ -151,41 +152,30 @@ def main() -> None:
         rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n_clusters), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
         res["launch"][f"max_active_clusters_{csize}"] = n_clusters.value if rc == 0 else f"error {rc}"
 
+    def args(n: int, mode: int, csize: int, iters: int) -> tuple:
+        return (acc, sink, count, out, np.int32(n), np.int32(mode), np.int32(csize), np.int32(iters))
+
     def launch(n: int, mode: int, csize: int, grid: int, iters: int = ITERS) -> float | str:
         count.fill(0)
-        cfg, keep = launch_config(grid, THREADS, SMEM, stream.ptr, True, csize)
-        vals = [ctypes.c_uint64(acc.data.ptr), ctypes.c_uint64(sink.data.ptr), ctypes.c_uint64(count.data.ptr),
-                ctypes.c_uint64(out.data.ptr), ctypes.c_int(n), ctypes.c_int(mode), ctypes.c_int(csize),
-                ctypes.c_int(iters)]
-        params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-        rc = cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(fn.ptr), params, None)
-        if rc != 0:
-            return f"launch error {rc}"
+        try:
+            ExLaunch(fn, cluster=csize)((grid,), (THREADS,), args(n, mode, csize, iters), shared_mem=SMEM)
+        except RuntimeError as e:
+            return str(e)
         stream.synchronize()
         return float(cp.asnumpy(out)[0]) / iters / 1e3  # us per iteration
 
-    # compile-time cluster shape, CuPy's cooperative launch (cuLaunchCooperativeKernel)
-    import numpy as np
-
+    # a compile-time cluster shape through CuPy's cooperative launch (cuLaunchCooperativeKernel), then through
+    # cuLaunchKernelEx with the cooperative attribute (MK_CLUSTER_LAUNCH=ex's path)
     cd2 = mod.get_function("probe_cd2")
     cd2.max_dynamic_shared_size_bytes = SMEM
-    try:
-        count.fill(0)
-        cd2((sms,), (THREADS,), (acc, sink, count, out, np.int32(8192), np.int32(2), np.int32(2), np.int32(10)),
-            shared_mem=SMEM)
-        stream.synchronize()
-        res["launch"]["cupy_cooperative_cluster_dims_2"] = "ok"
-    except Exception as e:  # noqa: BLE001 - the answer is the point
-        res["launch"]["cupy_cooperative_cluster_dims_2"] = repr(e)[:300]
-    # compile-time cluster shape, cooperative through cuLaunchKernelEx (MK_CLUSTER_LAUNCH=ex's path)
-    try:
-        count.fill(0)
-        ExLaunch(cd2)((sms,), (THREADS,), (acc, sink, count, out, np.int32(8192), np.int32(2), np.int32(2),
-                                          np.int32(10)), shared_mem=SMEM)
-        stream.synchronize()
-        res["launch"]["ex_cooperative_cluster_dims_2"] = "ok"
-    except Exception as e:  # noqa: BLE001 - the answer is the point
-        res["launch"]["ex_cooperative_cluster_dims_2"] = repr(e)[:300]
+    for name, kernel in (("cupy_cooperative_cluster_dims_2", cd2), ("ex_cooperative_cluster_dims_2", ExLaunch(cd2))):
+        try:
+            count.fill(0)
+            kernel((sms,), (THREADS,), args(8192, 2, 2, 10), shared_mem=SMEM)
+            stream.synchronize()
+            res["launch"][name] = "ok"
+        except Exception as e:  # noqa: BLE001 - the answer is the point
+            res["launch"][name] = repr(e)[:300]
     print(json.dumps(res), flush=True)
 
     for csize in (1, 2, 4):
@@ -205,9 +195,9 @@ def main() -> None:
                 res["us"][f"{name} n={n} c={csize}"] = round(t - base, 3)
         print(json.dumps(res), flush=True)
     print(json.dumps(res, indent=1))
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cluster_probe.json").write_text(json.dumps(res, indent=1))
+    if opts.out:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / "cluster_probe.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

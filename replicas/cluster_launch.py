@@ -56,9 +56,7 @@ def launch_mode() -> str:
 def kernel_param(arg) -> ctypes._SimpleCData | ctypes.Array:
     """One monokernel argument as the bytes cuLaunchKernelEx copies: a device array's pointer (the parameter
     block in device memory) or the parameter block itself by value (a numpy void scalar, layout param_value)."""
-    if isinstance(arg, np.void):
-        return (ctypes.c_ubyte * arg.nbytes).from_buffer_copy(arg.tobytes())
-    if isinstance(arg, np.integer):  # (a scalar argument of its own width)
+    if isinstance(arg, (np.void, np.integer)):  # (by value: the block, or a scalar of its own width)
         return (ctypes.c_ubyte * arg.nbytes).from_buffer_copy(arg.tobytes())
     data = getattr(arg, "data", None)
     if data is not None and hasattr(data, "ptr"):
@@ -69,17 +67,19 @@ def kernel_param(arg) -> ctypes._SimpleCData | ctypes.Array:
 
 class ExLaunch:
     """A CuPy kernel function launched cooperatively through cuLaunchKernelEx, called as CuPy's
-    (grid, block, args, shared_mem=...) on the current stream."""
+    (grid, block, args, shared_mem=...) on the current stream. cluster > 1: the cluster shape set at launch
+    (a kernel without one compiled in)."""
 
-    def __init__(self, function):
+    def __init__(self, function, cluster: int = 1):
         self.function = function
+        self.cluster = int(cluster)
         self._cuda = ctypes.CDLL("libcuda.so.1")
 
     def __getattr__(self, name):  # (max_dynamic_shared_size_bytes and the like: the wrapped function's)
         return getattr(self.function, name)
 
     def __setattr__(self, name, value):
-        if name in ("function", "_cuda"):
+        if name in ("function", "cluster", "_cuda"):
             object.__setattr__(self, name, value)
         else:
             setattr(self.function, name, value)
@@ -90,8 +90,9 @@ class ExLaunch:
         params = [kernel_param(a) for a in args]
         pointers = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
         cfg, attrs = launch_config(int(grid[0]), int(block[0]), int(shared_mem), cp.cuda.get_current_stream().ptr,
-                                   cooperative=True)
+                                   cooperative=True, cluster=self.cluster)
         rc = self._cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(self.function.ptr), pointers, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid[0]} x {block[0]} threads, "
-                               f"{shared_mem} bytes of shared memory, cooperative, clusters compiled in)")
+                               f"{shared_mem} bytes of shared memory, cooperative, clusters of "
+                               f"{self.cluster if self.cluster > 1 else 'the compiled shape'})")
