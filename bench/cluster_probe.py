@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from replicas.cluster_launch import ExLaunch, launch_config  # noqa: E402
+from replicas.cluster_launch import ExLaunch, function_handle, launch_config  # noqa: E402
 
 THREADS = 512
 SMEM = 200 * 1024
@@ -149,7 +149,7 @@ def main() -> None:
     for csize in (2, 4):
         cfg, keep = launch_config(sms, THREADS, SMEM, stream.ptr, True, csize)
         n_clusters = ctypes.c_int(0)
-        rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n_clusters), ctypes.c_void_p(fn.ptr), ctypes.byref(cfg))
+        rc = cuda.cuOccupancyMaxActiveClusters(ctypes.byref(n_clusters), ctypes.c_void_p(function_handle(fn)), ctypes.byref(cfg))
         res["launch"][f"max_active_clusters_{csize}"] = n_clusters.value if rc == 0 else f"error {rc}"
 
     def args(n: int, mode: int, csize: int, iters: int) -> tuple:

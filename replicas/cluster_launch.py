@@ -65,6 +65,12 @@ def kernel_param(arg) -> ctypes._SimpleCData | ctypes.Array:
                     "parameter block (param_value's host-pointer form is CuPy-only; unset MK_CLUSTER_LAUNCH)")
 
 
+def function_handle(function) -> int:
+    """The CUfunction behind a CuPy kernel: RawModule.get_function gives a RawKernel, whose `.kernel` is the
+    cupy.cuda.function.Function that holds the driver handle."""
+    return getattr(function, "kernel", function).ptr
+
+
 class ExLaunch:
     """A CuPy kernel function launched cooperatively through cuLaunchKernelEx, called as CuPy's
     (grid, block, args, shared_mem=...) on the current stream. cluster > 1: the cluster shape set at launch
@@ -91,7 +97,7 @@ class ExLaunch:
         pointers = (ctypes.c_void_p * len(params))(*[ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in params])
         cfg, attrs = launch_config(int(grid[0]), int(block[0]), int(shared_mem), cp.cuda.get_current_stream().ptr,
                                    cooperative=True, cluster=self.cluster)
-        rc = self._cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(self.function.ptr), pointers, None)
+        rc = self._cuda.cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(function_handle(self.function)), pointers, None)
         if rc != 0:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {rc} (grid {grid[0]} x {block[0]} threads, "
                                f"{shared_mem} bytes of shared memory, cooperative, clusters of "

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from replicas.cluster_launch import LaunchAttribute, LaunchConfig, kernel_param, launch_config, launch_mode
+from replicas.cluster_launch import (LaunchAttribute, LaunchConfig, function_handle, kernel_param, launch_config,
+                                     launch_mode)
 
 
 def test_driver_structs_match_cuda_h():
@@ -47,3 +48,11 @@ def test_launch_mode_is_checked(monkeypatch):
     monkeypatch.setenv("MK_CLUSTER_LAUNCH", "driver")
     with pytest.raises(ValueError, match="choose one of cupy, ex"):
         launch_mode()
+
+
+def test_function_handle_unwraps_a_raw_kernel():
+    # RawModule.get_function gives a RawKernel (no .ptr; its .kernel holds the CUfunction): the probe's first
+    # device run failed on exactly this
+    raw_kernel = SimpleNamespace(kernel=SimpleNamespace(ptr=0x7F00_1234))
+    assert function_handle(raw_kernel) == 0x7F00_1234
+    assert function_handle(SimpleNamespace(ptr=0x55)) == 0x55
