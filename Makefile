@@ -17,9 +17,11 @@ venv: $(BIN)/monoserve
 demo: venv
 	$(BIN)/monoserve demo
 
-# Everything but the GPU tests (those run on a GPU machine: `make gpu-test`).
+# Everything but the GPU tests (those run on a GPU machine: `make gpu-test`), on two workers (the Ray tests on one
+# of them, tests/conftest.py); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 gpu-test: venv
 	$(BIN)/python -m pytest -q -m gpu

@@ -54,3 +54,14 @@ def monokernel_builds(monkeypatch, fake_cupy):
         monkeypatch.setattr(cls, "from_pretrained", classmethod(record))
     fake_cupy(1)
     return calls
+
+
+# `make test` runs the suite on two pytest-xdist workers (CI has two cores). Tests that start a local Ray cluster
+# all go to one worker, one after another: two Ray clusters starting at once on two cores time out.
+RAY_MODULES = ("test_ray_", "test_cluster_cli")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2].startswith(RAY_MODULES):
+            item.add_marker(pytest.mark.xdist_group("ray"))

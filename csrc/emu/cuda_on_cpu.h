@@ -44,6 +44,8 @@ struct Fiber {
   void* sp = nullptr;  // saved stack pointer while switched out
   dim3u tid{0, 0, 0}, bid{0, 0, 0};
   bool done = false;
+  const unsigned* wait = nullptr;  // at a barrier: the round word it waits to change from wait_round
+  unsigned wait_round = 0;
   std::unique_ptr<unsigned char[]> stack;  // uninitialised: pages are touched only as used
 };
 struct Warp {  // one warp's collective state
@@ -78,6 +80,14 @@ inline Block& my_block() { return (*blocks)[cur->bid.x]; }
 inline Warp& my_warp() { return my_block().warps[cur->tid.x >> 5]; }
 inline unsigned lane() { return cur->tid.x & 31; }
 inline unsigned char* block_smem() { return my_block().smem.data(); }
+// Wait for a barrier's round word to move on; the scheduler passes over this fiber without switching to it
+// until it has (most of an emulated launch is fibers waiting at barriers).
+inline void wait_round_change(const unsigned& round, unsigned r) {
+  cur->wait = &round;
+  cur->wait_round = r;
+  while (round == r) yield();
+  cur->wait = nullptr;
+}
 
 // Deposit n words, wait for the whole warp, return the round's buffer (valid until the next-but-one collective).
 inline unsigned long long (*warp_exchange(const unsigned long long* words, int n))[10] {
@@ -88,7 +98,7 @@ inline unsigned long long (*warp_exchange(const unsigned long long* words, int n
     w.arrived = 0;
     w.round++;
   } else {
-    while (w.round == r) yield();
+    wait_round_change(w.round, r);
   }
   return w.vals[r & 1];
 }
@@ -106,7 +116,7 @@ inline void __syncthreads() {
     b.arrived = 0;
     b.round++;
   } else {
-    while (b.round == r) mk_emu::yield();
+    mk_emu::wait_round_change(b.round, r);
   }
 }
 inline void __syncwarp(unsigned = 0xffffffffu) {
@@ -134,7 +144,7 @@ inline void mk_emu_cluster_sync() {  // barrier.cluster.arrive + wait over every
     b.c_arrived = 0;
     b.c_round++;
   } else {
-    while (b.c_round == r) mk_emu::yield();
+    mk_emu::wait_round_change(b.c_round, r);
   }
 }
 template <class T>
@@ -270,14 +280,17 @@ inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthrea
   size_t left = fibers.size();
   trapped = false;
   while (left) {
+    bool ran = false;
     for (auto& f : fibers) {
-      if (f.done) continue;
+      if (f.done || (f.wait && *f.wait == f.wait_round)) continue;
+      ran = true;
       cur = &f;
       mk_emu_switch(&sched_sp, f.sp);
       if (trapped) { cur = nullptr; return 2; }  // (the fibers' stacks are dropped unfinished)
       if (f.done) left--;
       if (++switches > max_switches) return 1;  // deadlock or a runaway kernel
     }
+    if (!ran) return 1;  // every fiber left waits at a barrier that no running fiber can reach: deadlock
   }
   cur = nullptr;
   return 0;
