@@ -164,7 +164,7 @@ class BatchGpuModel(GpuModel):
         if not 2 <= int(batch) <= L.MAX_BATCH:
             raise ValueError(f"batch={batch}: a batch build decodes 2..{L.MAX_BATCH} slots (batch 1 is GpuModel)")
         from replicas.layout_tuned import batch_options
-        layout_options = batch_options(config, layout_options)  # the measured batch defaults (layout_tuned.py)
+        layout_options = dict(layout_options or {})
         self.resident = bool(resident)
         cp = import_cupy()
         self.device_sms = device_sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
@@ -175,6 +175,8 @@ class BatchGpuModel(GpuModel):
                     raise ValueError(f"prefill_sms={prefill_sms}: leave 1..{device_sms - 1} of the device's "
                                      f"{device_sms} SMs to the prefill")
                 layout_options["num_sms"] = device_sms - int(prefill_sms)
+        # the measured batch defaults (layout_tuned.py), for the grid the batch builds get
+        layout_options = batch_options(config, layout_options, layout_options.get("num_sms", device_sms))
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch

@@ -81,7 +81,9 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
 
     for preset in ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
         c = preset_config(preset)
-        assert batch_options(c) == TUNED_BATCH
+        wide = c.hidden_size >= 4096  # pair_norm: on 8B, not on 1B (bench/RESULTS.md session 13)
+        assert batch_options(c) == ({**TUNED_BATCH, "pair_norm": True} if wide else TUNED_BATCH)
+        assert batch_options(c, grid_sms=131) == TUNED_BATCH  # an odd grid cannot pair its blocks
         lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c), "batch": 4}))
         assert lay.mma_mlp and lay.mma_lm and lay.norm_once and lay.ao_slots and not lay.gu_il
         assert lay.mma_qkv and lay.mma_o
@@ -97,6 +99,12 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
         assert opts == {**{k: v for k, v in TUNED_BATCH.items() if k not in dropped}, **off}
     lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c, {"o_align": False}), "batch": 4}))
     assert lay.mma_qkv and not lay.mma_o
+    c8 = preset_config("llama-3.1-8b")
+    assert batch_options(c8, {"pair_norm": False}) == {**TUNED_BATCH, "pair_norm": False}
+    assert "pair_norm" not in batch_options(c8, {"mma_mlp": False})  # (the CUDA-core set keeps its measured form)
+    lay = KernelLayout.from_config(c8, 2048, **engine_options(c8, {**batch_options(c8, grid_sms=116), "batch": 8,
+                                                                   "num_sms": 116}))
+    assert lay.pair_norm and "-DMK_PAIR_NORM=1" in lay.compile_flags()
     odd = ModelConfig.from_hf_dict({**PRESETS["llama-3.2-1b"], "vocab_size": 128_250}, source="odd vocab")
     assert batch_options(odd) == TUNED_BATCH_CUDA_CORES  # (the LM head's tiles need a multiple of 16)
 
