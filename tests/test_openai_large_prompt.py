@@ -38,13 +38,19 @@ def test_large_chat_message_does_not_stall_other_streams(router):
     sender = threading.Thread(target=send_big)
     channel = grpc.insecure_channel(router.address)
     stub = inference_pb2_grpc.InferenceStub(channel)
+    # a stream long enough to outlast the tokenizing on a loaded machine (10 s at 200 tokens/s), read until 10
+    # chunks after the big request's answer, then cancelled
     req = inference_pb2.GenerateRequest(token_ids=inference_pb2.TokenIds(ids=[5, 6]),
-                                        sampling=common_pb2.SamplingParams(max_tokens=600, ignore_eos=True))
-    for msg in stub.Generate(req, timeout=30):
+                                        sampling=common_pb2.SamplingParams(max_tokens=2000, ignore_eos=True))
+    stream = stub.Generate(req, timeout=60)
+    for msg in stream:
         if msg.HasField("chunk"):
             arrivals.append(time.perf_counter())
             if len(arrivals) == 20:
                 sender.start()
+            if "at" in done and sum(a > done["at"] for a in arrivals) >= 10:
+                stream.cancel()
+                break
     sender.join()
     channel.close()
     assert done["status"] == 400 and "context" in done["error"]["message"], done  # far beyond the window
