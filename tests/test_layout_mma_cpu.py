@@ -169,8 +169,8 @@ def test_refusals_say_what_to_change():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed: cannot check the sm_90a build")
-@pytest.mark.parametrize("preset,batch", [("tiny", 8), ("llama-3.2-1b", 1)])  # (mma is an explicit choice, no
-# engine's default: one batch and one single-sequence build; tests/test_layout_mma_mlp_cpu.py compiles the defaults)
+@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 1)])  # (mma is an explicit choice, no engine's
+# default; the emulation runs its batch builds; tests/test_layout_mma_mlp_cpu.py compiles the batch defaults)
 def test_mma_kernel_compiles_for_sm90a(preset, batch, tmp_path):
     lay = mma_layout(preset, batch=batch)
     src = tmp_path / "mk.cu"
