@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9, session 13, one H200 (~8 min). attn_lanes (mk_attention.cuh: a split's scores on lane groups with q in
+# Issue 9, session 13, one H200 (~8 min; attn_lanes was removed after it: run it at cff309d). attn_lanes (mk_attention.cuh: a split's scores on lane groups with q in
 # registers, 3 shuffles per head instead of 5 per position-head; the weighted values on every thread, positions
 # split over thread halves): correctness first (single-sequence and batch gpu tests with it on, against HF), then
 # A/Bs. Prediction: at B = 4 a split holds ~4x the positions of B = 1 and the timeline put attention at +1.8 us per

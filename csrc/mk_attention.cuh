@@ -12,18 +12,6 @@
 
 constexpr int kOPerThread = (kGroup * MK_D + MK_THREADS - 1) / MK_THREADS;
 
-#ifndef MK_ATTN_LANES
-#define MK_ATTN_LANES 0  // layout option attn_lanes (flag emitted only when on)
-#endif
-// attn_lanes: a score takes kScoreLanes lanes (16 bytes of K and 32 of q each), not a whole warp, so a warp
-// scores 32 / kScoreLanes positions at once with log2(kScoreLanes) shuffles per head instead of 5; the weighted
-// values use every thread, kPvSplit threads per output splitting the tile's positions (summed in a fixed order
-// after the last tile). Pays where a split holds many positions (batch builds: 4 live slots get 1/4 the splits).
-constexpr int kScoreLanes = MK_D / 8;
-constexpr int kPvSplit = (MK_ATTN_LANES && kGroup * MK_D < MK_THREADS && MK_THREADS % (kGroup * MK_D) == 0)
-                             ? MK_THREADS / (kGroup * MK_D) : 1;
-static_assert(!MK_ATTN_LANES || (MK_D % 8 == 0 && 32 % kScoreLanes == 0), "attn_lanes: head_dim 8..256, 2^k");
-
 // Shared-memory scratch of the attention phase (aliases the activation buffer), in floats.
 constexpr int kAttnQ = 0;                                   // [kGroup][D] q of the group, fp32
 constexpr int kAttnKC = kAttnQ + kGroup * MK_D;             // [D] k of the new token (roped, bf16-rounded)
@@ -105,44 +93,6 @@ MK_DEVICE int attention_items(const MkParams& p, int step, unsigned live) {
   for (int b = 0; b < kB; b++)
     if ((live >> b) & 1u) n += MK_NKV * num_splits(slot_pos(p, b, step) + 1, __popc(live));
   return n;
-}
-
-// attn_lanes: scores of a tile's n positions into s_sc [kGroup][TILE]. Lanes [sub * kScoreLanes, +kScoreLanes)
-// of a warp take position j0 + sub, each lane 8 of its D dims; every lane runs the shuffles (j past n: zeros).
-MK_DEVICE void score_tile_lanes(const float* s_q, const uint16_t* s_k, const float* s_kc, float* s_sc, int tt,
-                                int n, int pos) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int sub = lane / kScoreLanes, piece = lane % kScoreLanes;
-  constexpr int kPerWarp = 32 / kScoreLanes;
-  for (int j0 = warp * kPerWarp; j0 < n; j0 += kWarps * kPerWarp) {
-    const int j = j0 + sub;
-    float kv[8];
-    if (j < n && tt + j == pos) {
-#pragma unroll
-      for (int e = 0; e < 8; e++) kv[e] = s_kc[piece * 8 + e];
-    } else if (j < n) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(s_k + j * MK_D + piece * 8);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        kv[2 * e] = bf16_to_f32(static_cast<uint16_t>(w[e] & 0xffffu));
-        kv[2 * e + 1] = bf16_to_f32(static_cast<uint16_t>(w[e] >> 16));
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; e++) kv[e] = 0.f;
-    }
-#pragma unroll
-    for (int h = 0; h < kGroup; h++) {
-      const float4 qa = *reinterpret_cast<const float4*>(s_q + h * MK_D + piece * 8);
-      const float4 qb = *reinterpret_cast<const float4*>(s_q + h * MK_D + piece * 8 + 4);
-      float part = qa.x * kv[0] + qa.y * kv[1] + qa.z * kv[2] + qa.w * kv[3];
-      part += qb.x * kv[4] + qb.y * kv[5] + qb.z * kv[6] + qb.w * kv[7];
-#pragma unroll
-      for (int off = kScoreLanes / 2; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-      if (piece == 0 && j < n) s_sc[h * MK_ATTN_TILE + j] = part;
-    }
-  }
 }
 
 MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned live, float* s_act, unsigned qkv_target
@@ -255,9 +205,7 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
         cp_async_wait_all();
       }
       __syncthreads();
-      if (MK_ATTN_LANES) {
-        score_tile_lanes(s_q, s_k, s_kc, s_sc, tt, n, pos);
-      } else for (int j = warp; j < n; j += kWarps) {
+      for (int j = warp; j < n; j += kWarps) {
         float kv[kDPerLane];
         if (tt + j == pos) {
 #pragma unroll
@@ -298,11 +246,11 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
       __syncthreads();
 #pragma unroll
       for (int k = 0; k < kOPerThread; k++) {
-        const int idx = (kPvSplit > 1 ? tid % (kGroup * MK_D) : tid) + k * MK_THREADS;
+        const int idx = tid + k * MK_THREADS;
         if (idx < kGroup * MK_D) {
           const int h = idx / MK_D, d = idx % MK_D;
           float acc = o[k] * s_alpha[h];
-          for (int j = kPvSplit > 1 ? tid / (kGroup * MK_D) : 0; j < n; j += kPvSplit) {
+          for (int j = 0; j < n; j++) {
             float vv = (tt + j == pos) ? s_vc[d] : bf16_to_f32(s_v[j * MK_D + d]);
             acc += s_sc[h * MK_ATTN_TILE + j] * vv;
           }
@@ -315,15 +263,6 @@ MK_DEVICE void attention_phase(const MkParams& p, int layer, int step, unsigned 
     MK_TL_AT(tl, 6);
     // 4. publish this split's partial; the last split of kv head g to finish combines.
     const long long pbase = (((long long)slot * MK_NKV + g) * split_cap + s) * kGroup;
-    if (kPvSplit > 1) {  // the position parts of each output, added in part order (the K/V tiles are free now)
-      float* s_part = reinterpret_cast<float*>(s_k);
-      if (tid >= kGroup * MK_D) s_part[tid - kGroup * MK_D] = o[0];
-      __syncthreads();
-      if (tid < kGroup * MK_D) {
-#pragma unroll
-        for (int q = 1; q < kPvSplit; q++) o[0] += s_part[(q - 1) * kGroup * MK_D + tid];
-      }
-    }
 #pragma unroll
     for (int k = 0; k < kOPerThread; k++) {
       const int idx = tid + k * MK_THREADS;
