@@ -32,6 +32,7 @@ def test_large_chat_message_does_not_stall_other_streams(router):
     arrivals, done = [], {}
 
     def send_big():
+        done["sent"] = time.perf_counter()
         r = httpx.post(f"http://127.0.0.1:{router.http_port}/v1/chat/completions", json=body, timeout=30)
         done["status"], done["error"], done["at"] = r.status_code, r.json()["error"], time.perf_counter()
 
@@ -56,4 +57,9 @@ def test_large_chat_message_does_not_stall_other_streams(router):
     assert done["status"] == 400 and "context" in done["error"]["message"], done  # far beyond the window
     assert done["at"] < arrivals[-1], "the big prompt must be tokenized while the stream runs"
     gaps = [b - a for a, b in itertools.pairwise(arrivals[20:]) if a < done["at"]]
-    assert max(gaps) < 0.3, f"the gRPC stream stalled {max(gaps) * 1e3:.0f} ms while a 1 MB chat was tokenized"
+    # Tokenizing on the event loop would stop the stream for the whole tokenizing time (~0.5-1 s alone, seconds
+    # on a loaded 2-core CI machine); off the loop the gaps stay at the replica's pace plus scheduling noise
+    # (up to ~0.3 s on that machine). So: no gap near the time the big request took.
+    took = done["at"] - done["sent"]
+    assert max(gaps) < max(0.3, took / 4), \
+        f"the gRPC stream stalled {max(gaps) * 1e3:.0f} ms while a 1 MB chat was tokenized (took {took:.2f} s)"

@@ -69,8 +69,10 @@ def test_large_text_prompt_does_not_stall_other_streams(stub):
     assert big_done["code"] == grpc.StatusCode.INVALID_ARGUMENT
     assert big_done["at"] < arrivals[-1], "the big prompt must be tokenized while the stream runs"
     during = [b - a for a, b in itertools.pairwise(arrivals[20:]) if a < big_done["at"]]
-    assert max(during) < 0.3, f"stream stalled {max(during) * 1e3:.0f} ms while a 1 MB prompt was " \
-                               f"tokenized (tokenizing took {big_done['took']:.2f} s)"
+    # on the event loop it would stop the stream for the whole tokenizing time; off it, the gaps stay at the pace
+    # plus scheduling noise (up to ~0.3 s on a loaded 2-core CI machine)
+    assert max(during) < max(0.3, big_done["took"] / 4), f"stream stalled {max(during) * 1e3:.0f} ms while a 1 MB " \
+                                                          f"prompt was tokenized (tokenizing took {big_done['took']:.2f} s)"
 
 
 def test_off_loop_tokenization_gives_the_same_ids(tiny_checkpoint):
