@@ -20,8 +20,8 @@ constexpr int kAoW = MK_BATCH > 1 ? kVecFloats : MK_NKV * MK_AO_GDP;
 static_assert(kAoW + 2 * kGroup * MK_MAX_SPLITS <= MK_ACT_FLOATS, "fused_attn_o staging");
 static_assert(MK_BATCH == 1 || MK_NKV * MK_AO_GDP <= kActVec, "a slot's O input fits its vector");
 
-// o_part: one int64 [Hp] accumulator per slot
-MK_DEVICE long long* ao_acc(const MkParams& p, int b = 0) { return reinterpret_cast<long long*>(p.o_part) + (long long)b * MK_HP; }
+// o_part: one int64 [Hp] accumulator row per slot (fx_pack: per pair of slots, mk_fx_pack.cuh)
+MK_DEVICE long long* ao_acc(const MkParams& p, int c = 0) { return reinterpret_cast<long long*>(p.o_part) + (long long)c * MK_HP; }
 
 // Group g's split weights into s_w[h * nsplit + s] (softmax over the splits' maxima and sums; partials from
 // index sb on), through shared memory; ends with a block barrier.
@@ -212,6 +212,16 @@ MK_DEVICE void ao_add(const MkParams& p, long long u, const float* acc, unsigned
 MK_DEVICE void o_mma(WeightStream& st, const MkParams& p, float* s_act, unsigned live) {
   int v0, v1;
   o_block_units((int)blockIdx.x, v0, v1);
+#if MK_FX_PACK
+  // (fx_pack: one atomic per row and pair of slots; the sums of slots not live are zeros)
+  block_mma<1, kOSteps, 2>(st, p, s_act, st.gw >= 0 ? o_share(st.gw) : TileShare{0, 0, 0}, v1 - v0,
+                           [](int v) { return v / kOTiles * kOSteps; }, s_act + kPieceOff,
+                           [&](int v, int r, int c, const float* sum) {
+    if (row_on(live, c))
+      atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, c) + (v0 + v) % kOTiles * 16 + r),
+                pack_slots(slot_on(live, 2 * c) ? sum[0] : 0.f, slot_on(live, 2 * c + 1) ? sum[1] : 0.f));
+  });
+#else
   block_mma<1, kOSteps>(st, p, s_act, st.gw >= 0 ? o_share(st.gw) : TileShare{0, 0, 0}, v1 - v0,
                         [](int v) { return v / kOTiles * kOSteps; }, s_act + kPieceOff,
                         [&](int v, int r, int b, const float* sum) {
@@ -219,17 +229,21 @@ MK_DEVICE void o_mma(WeightStream& st, const MkParams& p, float* s_act, unsigned
       atomicAdd(reinterpret_cast<unsigned long long*>(ao_acc(p, b) + (v0 + v) % kOTiles * 16 + r),
                 (unsigned long long)__float2ll_rn(sum[0] * kAoScale));
   });
+#endif
 }
 #endif
 // Zeroing of every slot's accumulator (in the QKV phase: read before its barrier, added after).
 MK_DEVICE void ao_zero(const MkParams& p) {
-  zero_acc(ao_acc(p), kB * MK_HP);
+  zero_acc(ao_acc(p), kAccRows * MK_HP);
 }
 
 // Slot b's pre-norm residual element i after O: x + its accumulator (+ bias) (batch prologue).
 // (layout option fold_x: the accumulator holds the whole residual and the bias, mk_fold.cuh; xsrc, bias not read)
 MK_DEVICE float ao_load(const MkParams& p, const float* xsrc, const float* bias, int b, int i) {
-#if defined(MK_FOLD_X) && MK_FOLD_X
+#if MK_FX_PACK
+  const float2 v = unpack_slots((unsigned long long)__ldcg(ao_acc(p, b >> 1) + i));
+  return b & 1 ? v.y : v.x;
+#elif defined(MK_FOLD_X) && MK_FOLD_X
   return __ll2float_rn(__ldcg(ao_acc(p, b) + i)) * kAoInv;
 #else
   float x = __ldcg(xsrc + i) + __ll2float_rn(__ldcg(ao_acc(p, b) + i)) * kAoInv;
@@ -237,6 +251,13 @@ MK_DEVICE float ao_load(const MkParams& p, const float* xsrc, const float* bias,
   return x;
 #endif
 }
+
+#if MK_FX_PACK
+// fx_pack: slots 2c and 2c + 1's elements i from one word (the batch prologues' pair loads, mk_batch.cuh)
+MK_DEVICE float2 ao_load2(const MkParams& p, int c, int i) {
+  return unpack_slots((unsigned long long)__ldcg(ao_acc(p, c) + i));
+}
+#endif
 
 // residual_norm<S> of monokernel.cu with the O accumulator (+ bias) as the partial source.
 MK_DEVICE void residual_norm_ao(const MkParams& p, const float* xsrc, const float* bias, float* xdst, const float* w,

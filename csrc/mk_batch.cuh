@@ -139,6 +139,47 @@ MK_DEVICE int slot_pos(const MkParams& p, int b, int step) {
 }
 
 #if MK_BATCH > 1
+// A batch prologue's input loader: load(b, i) -> slot b's element i. PairLoad wraps f(c, i) -> float2, slots 2c and
+// 2c + 1's element i from one load (fx_pack's packed accumulator words, mk_fx_pack.cuh).
+template <class F>
+struct PairLoad {
+  F f;
+  MK_DEVICE float operator()(int b, int i) const { const float2 v = f(b >> 1, i); return b & 1 ? v.y : v.x; }
+};
+template <class F>
+MK_DEVICE PairLoad<F> pair_load(F f) { return PairLoad<F>{f}; }
+template <class T>
+struct IsPairLoad { static constexpr bool value = false; };
+template <class F>
+struct IsPairLoad<PairLoad<F>> { static constexpr bool value = true; };
+
+// Every slot's elements index(k), k < kN, into x[b][k] (0 past MK_H and for the slots not live); a PairLoad issues
+// one load per pair of slots.
+template <int kN, class Load, class Index>
+MK_DEVICE void load_slot_rows(const Load& load, unsigned live, Index index, float (&x)[kB][kN]) {
+  if constexpr (IsPairLoad<Load>::value) {
+#pragma unroll
+    for (int k = 0; k < kN; k++) {
+      const int i = index(k);
+#pragma unroll
+      for (int c = 0; c < (kB + 1) / 2; c++) {
+        const unsigned two = i < MK_H ? (live >> (2 * c)) & 3u : 0u;
+        const float2 v = two ? load.f(c, i) : make_float2(0.f, 0.f);
+        x[2 * c][k] = two & 1u ? v.x : 0.f;
+        if (2 * c + 1 < kB) x[2 * c + 1][k] = two & 2u ? v.y : 0.f;
+      }
+    }
+  } else {  // (slot-major, the order the builds without fx_pack were tuned in)
+#pragma unroll
+    for (int b = 0; b < kB; b++)
+#pragma unroll
+      for (int k = 0; k < kN; k++) {
+        const int i = index(k);
+        x[b][k] = i < MK_H && ((live >> b) & 1u) ? load(b, i) : 0.f;
+      }
+  }
+}
+
 // The per-slot residual + RMSNorm prologue of a batch build, all live slots at once: x_b[i] = load(b, i)
 // (the pre-norm residual), s_act + b * kActVec = RMSNorm(x_b) * w, block 0 stores x_b to xdst(b) (if
 // not null). Two passes over the (L2-resident) inputs with one block reduction for every slot, instead
@@ -168,13 +209,10 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
     const int k = (int)rank * kHalf + kk, i = threadIdx.x + k * MK_THREADS;
     nw[kk] = k < kIt && i < MK_H ? w[i] : 0.f;
   }
-#pragma unroll
-  for (int b = 0; b < kB; b++)
-#pragma unroll
-    for (int kk = 0; kk < kHalf; kk++) {
-      const int k = (int)rank * kHalf + kk, i = threadIdx.x + k * MK_THREADS;
-      xv[b][kk] = k < kIt && i < MK_H && ((live >> b) & 1u) ? load(b, i) : 0.f;
-    }
+  load_slot_rows<kHalf>(load, live, [&](int kk) {
+    const int k = (int)rank * kHalf + kk;
+    return k < kIt ? threadIdx.x + k * MK_THREADS : MK_H;
+  }, xv);
   float ss[kB];
 #pragma unroll
   for (int b = 0; b < kB; b++) {
@@ -232,13 +270,7 @@ MK_DEVICE void residual_norm_slots(unsigned live, Load load, Dst xdst, const flo
   // every live slot's inputs loaded once, all in flight together (one L2 round trip, not one per slot and
   // pass: the timeline probe measured 7-8 us per B = 4 prologue against 1 us at B = 1)
   float xv[kB][kIt];
-#pragma unroll
-  for (int b = 0; b < kB; b++)
-#pragma unroll
-    for (int k = 0; k < kIt; k++) {
-      const int i = threadIdx.x + k * MK_THREADS;
-      xv[b][k] = i < MK_H && ((live >> b) & 1u) ? load(b, i) : 0.f;
-    }
+  load_slot_rows<kIt>(load, live, [&](int k) { return threadIdx.x + k * MK_THREADS; }, xv);
 #pragma unroll
   for (int b = 0; b < kB; b++) {
     ss[b] = 0.f;

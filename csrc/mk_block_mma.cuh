@@ -29,9 +29,10 @@ MK_DEVICE bool piece_of(int n, int v, int u) {
 
 // This warp's share s (tile_share) of the block's units, nunits of them. Inputs: every slot's vector as bf16 in
 // B-fragment order at s_in (frag_half), unit v's first 16-k chunk chunk0(v0 + v). Pieces in s_piece
-// ([MK_MMLP_PIECES][kMats][16][kBc] floats). epi(v, r, b, sums) with v relative to v0 and sums[kMats], for every
-// row r < 16 and slot b < kB (finished slots too: the epilogue skips them). Ends with the block synchronized.
-template <int kMats, int kSteps, class Chunk0, class Epi>
+// ([MK_MMLP_PIECES][kMats][16][kBc] floats). epi(v, r, c, sums) with v relative to v0 and sums[kMats * kCols]
+// (matrix m, slot c * kCols + j at m * kCols + j), for every row r < 16 and slot group c of kCols slots (finished
+// slots too: the epilogue skips them; kCols = 2: fx_pack's slot pairs). Ends with the block synchronized.
+template <int kMats, int kSteps, int kCols = 1, class Chunk0, class Epi>
 MK_DEVICE void block_mma(WeightStream& st, const MkParams& p, const float* s_in, const TileShare& s, int nunits,
                          Chunk0 chunk0, float* s_piece, Epi epi) {
   constexpr int kPiece = kMats * 16 * kBc;
@@ -80,18 +81,22 @@ MK_DEVICE void block_mma(WeightStream& st, const MkParams& p, const float* s_in,
   }
   __syncthreads();  // every piece stored
   const int n = nunits * kSteps;
-  for (int idx = threadIdx.x; idx < nunits * 16 * kB; idx += MK_THREADS) {
-    const int v = idx / (16 * kB), r = idx / kB % 16, b = idx % kB;
-    float sums[kMats];
+  constexpr int kGroups = (kB + kCols - 1) / kCols;
+  static_assert(kGroups * kCols <= kBc, "slot groups within a piece's columns");
+  for (int idx = threadIdx.x; idx < nunits * 16 * kGroups; idx += MK_THREADS) {
+    const int v = idx / (16 * kGroups), r = idx / kGroups % 16, c = idx % kGroups;
+    float sums[kMats * kCols];
 #pragma unroll
-    for (int m = 0; m < kMats; m++) sums[m] = 0.f;
+    for (int m = 0; m < kMats * kCols; m++) sums[m] = 0.f;
     for (int u = 0; u < kStreamWarps; u++)  // in warp order: deterministic
       if (piece_of<kSteps>(n, u, v)) {
         const float* P = s_piece + (u + v) * kPiece;
 #pragma unroll
-        for (int m = 0; m < kMats; m++) sums[m] += P[(16 * m + r) * kBc + b];
+        for (int m = 0; m < kMats; m++)
+#pragma unroll
+          for (int j = 0; j < kCols; j++) sums[m * kCols + j] += P[(16 * m + r) * kBc + c * kCols + j];
       }
-    epi(v, r, b, sums);
+    epi(v, r, c, sums);
   }
   __syncthreads();
 }

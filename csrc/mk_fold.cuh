@@ -27,6 +27,24 @@ MK_DEVICE long long fold_fixed(float v) { return __float2ll_rn(v * kFxScale); }
 // 0), the embedding of the slot's token; plus the layer's O bias. Nobody adds to it before the QKV barrier.
 MK_DEVICE void ao_fold_init(const MkParams& p, const long long* src, const int* tok, unsigned live, int layer) {
   long long* acc = ao_acc(p);
+#if MK_FX_PACK
+  // (fx_pack: word k holds slots 2c and 2c + 1 of element i; each lane set as below, 0 for a slot not live)
+  for (int k = blockIdx.x * MK_THREADS + threadIdx.x; k < kAccRows * MK_HP; k += gridDim.x * MK_THREADS) {
+    const int c = k / MK_HP, i = k % MK_HP;
+    int lane[2] = {0, 0};
+    if (i < MK_H && row_on(live, c)) {
+      const unsigned long long w = src ? (unsigned long long)__ldcg(src + k) : 0ull;
+      const int bias = MK_O_BIAS ? to_lane(p.o_bias[(long long)layer * MK_H + i]) : 0;
+#pragma unroll
+      for (int j = 0; j < 2; j++) {
+        const int b = 2 * c + j;
+        if (!slot_on(live, b)) continue;
+        lane[j] = (src ? (j ? lane_hi(w) : lane_lo(w)) : to_lane(bf16_to_f32(p.embed[(long long)tok[b] * MK_H + i]))) + bias;
+      }
+    }
+    acc[k] = (long long)pack_lanes(lane[0], lane[1]);
+  }
+#else
   for (int k = blockIdx.x * MK_THREADS + threadIdx.x; k < kB * MK_HP; k += gridDim.x * MK_THREADS) {
     const int b = k / MK_HP, i = k % MK_HP;
     long long v = 0;
@@ -36,14 +54,15 @@ MK_DEVICE void ao_fold_init(const MkParams& p, const long long* src, const int* 
     }
     acc[k] = v;
   }
+#endif
 }
 
 // Every block, after the O barrier: its share of the post-attention residual (the O accumulator, now final)
 // added into the fused-MLP accumulator `dst` (zeroed a layer ago), whose down partials land beside it.
 MK_DEVICE void fx_fold_add(const MkParams& p, long long* dst, unsigned live) {
   const long long* acc = ao_acc(p);
-  for (int k = blockIdx.x * MK_THREADS + threadIdx.x; k < kB * MK_HP; k += gridDim.x * MK_THREADS)
-    if (k % MK_HP < MK_H && slot_on(live, k / MK_HP))
+  for (int k = blockIdx.x * MK_THREADS + threadIdx.x; k < kAccRows * MK_HP; k += gridDim.x * MK_THREADS)
+    if (k % MK_HP < MK_H && row_on(live, k / MK_HP))  // (fx_pack: a pair's word; lanes of slots not live are 0)
       atomicAdd(reinterpret_cast<unsigned long long*>(dst + k), (unsigned long long)__ldcg(acc + k));
 }
 #endif

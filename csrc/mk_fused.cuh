@@ -9,6 +9,7 @@
 #include "mk_layout.cuh"
 #include "mk_stream.cuh"
 #include "mk_timeline.cuh"
+#include "mk_fx_pack.cuh"
 
 // s_act offset of the h slice (batch builds: slot b's slice at kFxH + b * MK_FX_SLICE, after every
 // slot's input vector)
@@ -23,9 +24,10 @@ constexpr float kFxInv = 1.f / 4294967296.f;
 static_assert(MK_FX_SHIFT == 32, "kFxScale assumes 32 fraction bits");
 static_assert(MK_TP == 1, "fused_mlp is single-GPU only (layout_fused.fused_error)");
 
-// The two accumulators live in dn_part (long long [2][B][MK_HP]); `turn` counts fused phases.
-MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn, int b = 0) {
-  return reinterpret_cast<long long*>(p.dn_part) + ((turn & 1u) * kB + b) * MK_HP;
+// The two accumulators live in dn_part (long long [2][kAccRows][MK_HP]); `turn` counts fused phases. Row c is
+// slot c's (fx_pack: slots 2c and 2c + 1's, mk_fx_pack.cuh).
+MK_DEVICE long long* fx_acc(const MkParams& p, unsigned turn, int c = 0) {
+  return reinterpret_cast<long long*>(p.dn_part) + ((turn & 1u) * kAccRows + c) * MK_HP;
 }
 
 // residual_norm<S> of monokernel.cu with the fixed-point accumulator as the partial source.
@@ -59,17 +61,26 @@ MK_DEVICE void residual_norm_fx(const float* xsrc, const long long* acc, float* 
 // Slot b's pre-norm residual element i: x + the accumulator of fused turn `turn` (batch prologue).
 // (layout option fold_x: the accumulator holds the whole residual, mk_fold.cuh; xsrc is not read)
 MK_DEVICE float fx_load(const MkParams& p, const float* xsrc, unsigned turn, int b, int i) {
-#if defined(MK_FOLD_X) && MK_FOLD_X
+#if MK_FX_PACK
+  const float2 v = unpack_slots((unsigned long long)__ldcg(fx_acc(p, turn, b >> 1) + i));
+  return b & 1 ? v.y : v.x;
+#elif defined(MK_FOLD_X) && MK_FOLD_X
   return __ll2float_rn(__ldcg(fx_acc(p, turn, b) + i)) * kFxInv;
 #else
   return __ldcg(xsrc + i) + __ll2float_rn(__ldcg(fx_acc(p, turn, b) + i)) * kFxInv;
 #endif
 }
+#if MK_FX_PACK
+// fx_pack: slots 2c and 2c + 1's elements i from one word (the batch prologues' pair loads, mk_batch.cuh)
+MK_DEVICE float2 fx_load2(const MkParams& p, unsigned turn, int c, int i) {
+  return unpack_slots((unsigned long long)__ldcg(fx_acc(p, turn, c) + i));
+}
+#endif
 
 // Block-strided zeroing of an accumulator nobody reads or adds to before the next grid barrier.
 // (every slot's: they are contiguous within a turn)
 MK_DEVICE void fx_zero(long long* acc) {
-  zero_acc(acc, kB * MK_HP);
+  zero_acc(acc, kAccRows * MK_HP);
 }
 
 // The block's row-group partials in shared memory ([R][Hp], summed in group order) added to the

@@ -45,6 +45,14 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
         st.release(p);
       }
       // lane (g, tq): hidden rows 16 o + g (d0, d1) and 16 o + g + 8 (d2, d3), slots 2 tq and 2 tq + 1
+#if MK_FX_PACK
+      if (2 * tq < kB && row_on(live, tq)) {  // (fx_pack: the pair's two sums in one atomic, accumulator row tq)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+          atomicAdd(reinterpret_cast<unsigned long long*>(fx_acc(p, turn, tq) + 16 * o + g + 8 * h),
+                    pack_slots(slot_on(live, 2 * tq) ? d[2 * h] : 0.f, slot_on(live, 2 * tq + 1) ? d[2 * h + 1] : 0.f));
+      }
+#else
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         const int b = 2 * tq + (e & 1);
@@ -52,6 +60,7 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
           atomicAdd(reinterpret_cast<unsigned long long*>(fx_acc(p, turn, b) + 16 * o + g + 8 * (e >> 1)),
                     (unsigned long long)__float2ll_rn(d[e] * kFxScale));
       }
+#endif
     }
   }
   MK_TL_AT(tl, 13);

@@ -34,6 +34,13 @@
 #if MK_FUSED_MLP && MK_ATTN_O
 #include "mk_fold.cuh"
 #endif
+// A batch prologue's loader of the last fused-MLP accumulator (turn `turn`): one load per slot, or with fx_pack
+// one per pair of slots (mk_fx_pack.cuh)
+#if MK_FX_PACK
+#define MK_FX_SRC(turn) pair_load([&](int c, int i) { return fx_load2(p, (turn), c, i); })
+#else
+#define MK_FX_SRC(turn) [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), (turn), b, i); }
+#endif
 
 // x = base (residual stream or embedding row) + S partials (+bias); block 0 stores x to xdst;
 // s_act = RMSNorm(x) * w. Loads are unrolled so each thread has all of its loads in flight.
@@ -158,13 +165,19 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
 #endif
     MK_TL_AT(tl_lm, 0);
     // ---- LM head on the previous hidden state (the prefill's last one at step 0) ----
-#if MK_RESIDENT
+#if MK_RESIDENT && MK_FX_PACK
+    residual_norm_slots<MK_MMA_LM>(live, pair_load([&](int c, int i) {
+        float2 v = fx_load2(p, fx_turn - 1, c, i);
+        if ((joined >> (2 * c)) & 1u) v.x = __ldcg(p.admit_x + (long long)(2 * c) * MK_HP + i);
+        if ((joined >> (2 * c + 1)) & 1u) v.y = __ldcg(p.admit_x + (long long)(2 * c + 1) * MK_HP + i);
+        return v; }),
+      [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
+#elif MK_RESIDENT
     residual_norm_slots<MK_MMA_LM>(live, [&](int b, int i) {
         return ((joined >> b) & 1u) ? __ldcg(p.admit_x + (long long)b * MK_HP + i) : fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
       [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
 #elif MK_BATCH > 1
-    residual_norm_slots<MK_MMA_LM>(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
-                                   [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
+    residual_norm_slots<MK_MMA_LM>(live, MK_FX_SRC(fx_turn - 1), [&](int) -> float* { return nullptr; }, p.lnf, s_act, s_red);
 #elif MK_FUSED_MLP
     residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), nullptr, p.lnf, s_act, s_red);
 #else
@@ -351,8 +364,8 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
       // QKV: x = x + down partials; RMSNorm (layer 0: done above).
       if (layer > 0) {
 #if MK_BATCH > 1
-        residual_norm_slots<MK_MMA_QKV>(live, [&](int b, int i) { return fx_load(p, slot_x(p, xi, b), fx_turn - 1, b, i); },
-                                        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln1 + layer * MK_H, s_act, s_red);
+        residual_norm_slots<MK_MMA_QKV>(live, MK_FX_SRC(fx_turn - 1), [&](int b) { return slot_x(p, xi ^ 1, b); },
+                                        p.ln1 + layer * MK_H, s_act, s_red);
 #elif MK_FUSED_MLP
         residual_norm_fx(slot_x(p, xi, 0), fx_acc(p, fx_turn - 1), slot_x(p, xi ^ 1, 0), p.ln1 + layer * MK_H, s_act, s_red);
 #else
@@ -424,9 +437,14 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
 #endif
 
 #if MK_BATCH > 1
+#if MK_FX_PACK
+      residual_norm_slots<MK_MMA_MLP>(live, pair_load([&](int c, int i) { return ao_load2(p, c, i); }),
+        [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln2 + layer * MK_H, s_act, s_red);
+#else
       residual_norm_slots<MK_MMA_MLP>(live, [&](int b, int i) {
           return ao_load(p, slot_x(p, xi, b), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr, b, i); },
         [&](int b) { return slot_x(p, xi ^ 1, b); }, p.ln2 + layer * MK_H, s_act, s_red);
+#endif
 #elif MK_ATTN_O
       residual_norm_ao(p, slot_x(p, xi, 0), MK_O_BIAS ? p.o_bias + layer * MK_H : nullptr,
                        slot_x(p, xi ^ 1, 0), p.ln2 + layer * MK_H, s_act, s_red);

@@ -74,7 +74,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 # Layout options that only switch a code path on: (field, the -D flag set to 1 when on; emitted only then, so builds
 # without them keep their flags and cubins)
-SWITCH_FLAGS = (("pair_norm", "MK_PAIR_NORM"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
+SWITCH_FLAGS = (("fx_pack", "MK_FX_PACK"), ("pair_norm", "MK_PAIR_NORM"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
                 ("param_value", "MK_PARAM_VALUE"), ("div32", "MK_DIV32"), ("gu_il", "MK_GU_IL"),
                 ("o_align", "MK_O_ALIGN"), ("zero_spread", "MK_ZERO_SPREAD"))
 
@@ -163,6 +163,7 @@ class KernelLayout:
     block_best: bool = False  # batch builds: the LM head's warp bests merged per block before they go to memory
     fold_x: bool = False  # batch builds: the residual kept in the int64 accumulators (prologues read 8 of 12 bytes)
     pair_norm: bool = False  # batch builds in clusters of 2 blocks: each prologue's L2 reads split over the pair
+    fx_pack: bool = False  # fold_x builds: two slots per int64 accumulator word (half the atomics and prologue bytes)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -180,7 +181,7 @@ class KernelLayout:
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
                     mma_o: bool = False, half_vec: bool = False, block_best: bool = False,
-                    fold_x: bool = False, pair_norm: bool = False) -> KernelLayout:
+                    fold_x: bool = False, pair_norm: bool = False, fx_pack: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -208,7 +209,7 @@ class KernelLayout:
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
                    mma_o=bool(mma_o), half_vec=bool(half_vec), block_best=bool(block_best),
-                   fold_x=bool(fold_x), pair_norm=bool(pair_norm))
+                   fold_x=bool(fold_x), pair_norm=bool(pair_norm), fx_pack=bool(fx_pack))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -417,12 +418,13 @@ class KernelLayout:
         s = self.splits
         nsplit = self.attn_splits_max
         b = self.batch  # per-slot buffers: slot-major ([2][B][Hp] for xbuf and the fused accumulators)
+        rows = (b + 1) // 2 if self.fx_pack else b  # accumulator rows (fx_pack: a pair of slots each)
         return {
             "xbuf": 2 * b * self.hp,
             "qkv_part": b * self.qkv_rows * s["qkv"],
-            "o_part": 2 * b * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
+            "o_part": 2 * rows * self.hp if self.fused_attn_o else self.hidden * s["o"],  # fused: int64 accumulator
             "h_buf": self.ip,
-            "dn_part": 4 * b * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
+            "dn_part": 4 * rows * self.hp if self.fused_mlp else self.hidden * s["dn"],  # fused: 2 int64 accumulators
             "attn_out": self.qp,
             "attn_m": b * self.kv_heads * nsplit * self.group,
             "attn_l": b * self.kv_heads * nsplit * self.group,

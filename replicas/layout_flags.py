@@ -58,6 +58,8 @@ def compile_defs(lay) -> dict:
         defs["MK_DN_PASSES"] = lay.dn_passes
     if lay.norm_early:
         defs["MK_NORM_EARLY"] = 1
+    if lay.fx_pack:
+        defs["MK_FX_PACK_SHIFT"] = layout_fused.FX_PACK_SHIFT
     if lay.pair_norm:
         defs["MK_CLUSTER"] = 2  # (the kernel's __cluster_dims__; the CPU emulation's cluster size)
     if lay.ao_preload:

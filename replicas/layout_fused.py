@@ -21,6 +21,44 @@ import numpy as np
 
 CHUNK = 256
 FX_SHIFT = 32  # fixed-point fraction bits of the int64 down accumulators (range ±2^31)
+# fx_pack (batch builds, csrc/mk_fx_pack.cuh): two slots per int64 word as 32-bit lanes (slot 2c low, 2c + 1 high)
+# of this many fraction bits: range ±2^15, step 1.5e-5 (finer than a bf16 residual from magnitude 0.004 up)
+FX_PACK_SHIFT = 16
+
+
+def acc_rows(lay, b_n: int) -> int:
+    """Rows of hp int64 words in one fused turn's accumulator of a build of `lay` with b_n slots."""
+    return (b_n + 1) // 2 if lay.fx_pack else b_n
+
+
+def acc_shift(lay) -> int:
+    """Fraction bits of one slot's value in the accumulators."""
+    return FX_PACK_SHIFT if lay.fx_pack else FX_SHIFT
+
+
+def _lanes(xp, w):
+    """(lo, hi) int64 lane values of packed words w, as csrc/mk_fx_pack.cuh unpacks them."""
+    lo = ((w & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000  # the low 32 bits, sign-extended
+    return lo, (w - lo) >> 32
+
+
+def slot_fixed(xp, lay, acc_t, b: int, n: int):
+    """Slot b's first n fixed-point values (int64) in one turn's accumulator acc_t [rows, hp] (int64)."""
+    if not lay.fx_pack:
+        return acc_t[b, :n]
+    lo, hi = _lanes(xp, acc_t[b // 2, :n])
+    return hi if b & 1 else lo
+
+
+def set_slot_fixed(xp, lay, acc_t, b: int, values, n: int) -> None:
+    """Slot b's first n fixed-point values (int64, or a scalar) into acc_t [rows, hp], the pair's other slot kept."""
+    if not lay.fx_pack:
+        acc_t[b, :n] = values
+        return
+    lo, hi = _lanes(xp, acc_t[b // 2, :n])
+    values = xp.broadcast_to(xp.asarray(values, xp.int64), lo.shape)
+    lo, hi = (lo, values) if b & 1 else (values, hi)
+    acc_t[b // 2, :n] = hi * (1 << 32) + lo  # (int64 arithmetic wraps as the kernel's does)
 
 
 def block_rows(inter: int, num_sms: int, b: int, tile: int = 1) -> tuple[int, int]:

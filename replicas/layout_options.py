@@ -8,7 +8,7 @@ from replicas import layout_attn_o, layout_fused
 
 def option_error(lay) -> str | None:
     """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best /
-    fold_x / pair_norm / resident / act_bf16, or None."""
+    fold_x / fx_pack / pair_norm / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -30,6 +30,9 @@ def option_error(lay) -> str | None:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
     if lay.fold_x and lay.batch == 1:
         return "fold_x keeps a batch build's residual in its fixed-point accumulators: it needs batch > 1"
+    if lay.fx_pack and not (lay.batch > 1 and lay.fold_x and lay.mma_mlp and lay.mma_o):
+        return ("fx_pack packs two slots into each word of a batch build's folded accumulators, written by the "
+                "tensor-core down and O: it needs batch > 1, fold_x, mma_mlp and mma_o (the batch defaults)")
     if lay.block_best and lay.batch == 1:
         return "block_best merges a batch build's LM-head bests per block: it needs batch > 1"
     if lay.half_vec and not (lay.mma_qkv and lay.mma_o and lay.mma_mlp and lay.mma_lm):

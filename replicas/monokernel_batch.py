@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from replicas import layout as L, layout_mma_mlp
+from replicas import layout as L, layout_fused, layout_mma_mlp
 from replicas.model import ModelConfig
 from replicas.monokernel_build import launch_args
 from replicas.monokernel_gpu import (GpuModel, MappedInts, buffer_ptr, common_ptrs, field_bits, import_cupy,
@@ -30,28 +30,33 @@ from replicas.layout_fused import pack_down_fused
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
-                      "half_vec", "block_best", "fold_x", "pair_norm")  # layout options the single-sequence build does not take
+                      "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack")  # layout options the single-sequence build does not take
 
 
 def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:
     """Slot b of a launch of `lay` (b_n slots) starts from hidden state x_last [hidden]: the residual in xbuf, the
     fixed-point accumulators zero; with fold_x the residual is the accumulator the first LM head reads (fused turn
-    fx_turn0 - 1), as int64 * 2^-32 (csrc/mk_fold.cuh)."""
+    fx_turn0 - 1), as int64 * 2^-32 (csrc/mk_fold.cuh; fx_pack: slot b's 32-bit lane * 2^-16, the pair's other slot
+    kept)."""
     x = work["xbuf"].reshape(2, b_n, lay.hp)
-    acc = work["dn_part"].view(xp.int64).reshape(2, b_n, lay.hp)  # the fused-MLP accumulators of both turns
+    acc = work["dn_part"].view(xp.int64).reshape(2, layout_fused.acc_rows(lay, b_n), lay.hp)  # both fused turns
     x[:, b] = 0
-    acc[:, b] = 0
-    if lay.fold_x:  # (fp32 * 2^32 is exact in fp64, so the kernel reads x_last back exactly)
-        acc[(fx_turn0 - 1) & 1, b, :hidden] = xp.rint(xp.asarray(x_last, xp.float64) * 2.0 ** 32).astype(xp.int64)
+    for t in (0, 1):
+        layout_fused.set_slot_fixed(xp, lay, acc[t], b, 0, lay.hp)
+    if lay.fold_x:  # (fp32 * 2^k is exact in fp64: with 2^32 the kernel reads x_last back exactly; with fx_pack's
+        # 2^16 it reads x_last on a 2^-16 grid, which slot_hidden's values are already on)
+        fixed = xp.rint(xp.asarray(x_last, xp.float64) * 2.0 ** layout_fused.acc_shift(lay)).astype(xp.int64)
+        layout_fused.set_slot_fixed(xp, lay, acc[(fx_turn0 - 1) & 1], b, fixed, hidden)
     else:
         x[0, b, :hidden] = x_last
 
 
 def slot_hidden(xp, lay, work, b_n: int, b: int, turn: int, hidden: int):
     """Slot b's hidden state after a launch of `lay` that ended at fused turn `turn`: x + the accumulator of turn
-    - 1 * 2^-32 in fp32 (fold_x: the accumulator alone), as the next LM head would read it."""
-    acc = work["dn_part"].view(xp.int64).reshape(2, b_n, lay.hp)[(turn - 1) & 1, b, :hidden]
-    h = acc.astype(xp.float32) * xp.float32(2.0 ** -32)
+    - 1 * 2^-32 in fp32 (fold_x: the accumulator alone; fx_pack: slot b's lane * 2^-16), as the next LM head would
+    read it."""
+    acc = work["dn_part"].view(xp.int64).reshape(2, layout_fused.acc_rows(lay, b_n), lay.hp)[(turn - 1) & 1]
+    h = layout_fused.slot_fixed(xp, lay, acc, b, hidden).astype(xp.float32) * xp.float32(2.0 ** -layout_fused.acc_shift(lay))
     return h if lay.fold_x else work["xbuf"].reshape(2, b_n, lay.hp)[0, b, :hidden] + h
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None or platform.machine(
 # session 12. pair_norm, off by default since it lost on 1B in session 13, keeps its joins, handovers and
 # sessions checked in tests/test_pair_norm_cpu.py and tests/test_monokernel_resident_cpu.py.)
 LAYOUTS = {"default": {}, "mma": {"mma": True}, "tensor-core-batch": TUNED_BATCH,
-           "unfolded": {**TUNED_BATCH, "fold_x": False}}
+           "unfolded": {**TUNED_BATCH, "fold_x": False}, "fx-pack": {**TUNED_BATCH, "fx_pack": True}}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS.values()), ids=list(LAYOUTS))

@@ -12,6 +12,7 @@ tests/test_monokernel_resident_cpu.py).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -41,7 +42,11 @@ def engines(request, tmp_path_factory):
     one = MonokernelEngine.from_pretrained(path, max_context=2048)
     # idle_s: a launch whose slots all ended waits for the next join (tiny decodes 900 tokens in tens of ms,
     # so "running" requests alone could not keep the launch up for the joins below)
-    res = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=2048, resident=True, idle_s=2.0)
+    # MK_RESIDENT_TEST_LAYOUT=fx_pack=1: the resident batch builds get these layout options (bench A/B candidates)
+    from tests.test_monokernel_gpu import _layout_from_env
+    opts = _layout_from_env(os.environ.get("MK_RESIDENT_TEST_LAYOUT", "")) or None
+    res = BatchedMonokernelEngine.from_pretrained(path, batch=BATCH, max_context=2048, resident=True, idle_s=2.0,
+                                                  layout_options=opts)
     sms = one.gpu.layout.num_sms
     assert res.gpu.layout.num_sms == sms - PREFILL_SMS and res.gpu.single_layout.num_sms == sms
     yield path, one, res

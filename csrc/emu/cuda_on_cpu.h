@@ -195,6 +195,14 @@ inline float __logf(float x) { return logf(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __ll2float_rn(long long v) { return (float)v; }
 inline long long __float2ll_rn(float v) { return llrintf(v); }
+inline float __int2float_rn(int v) { return (float)v; }
+// (as cvt.rni.s32.f32: round to nearest even, saturating; NaN -> 0)
+inline int __float2int_rn(float v) {
+  if (v != v) return 0;
+  if (v >= 2147483648.f) return 2147483647;
+  if (v <= -2147483648.f) return (-2147483647 - 1);
+  return (int)lrintf(v);
+}
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 // position of the offset-th set bit of mask at or above base (offset >= 1), else 0xffffffff
