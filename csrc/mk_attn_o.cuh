@@ -11,6 +11,7 @@
 #include "mk_attention.cuh"
 #include "mk_batch.cuh"
 #include "mk_block_mma.cuh"
+#include "mk_fx_pack.cuh"
 
 constexpr float kAoScale = 4294967296.f;  // 2^32, as fused_mlp's accumulators
 constexpr float kAoInv = 1.f / 4294967296.f;

@@ -23,6 +23,8 @@
 #include "mk_sample.cuh"
 #include "mk_tp.cuh"
 #include "mk_batch.cuh"
+// (unconditionally: kAccRows sizes the fused accumulators of every build)
+#include "mk_fx_pack.cuh"
 #if MK_FUSED_MLP
 #include "mk_fused.cuh"
 #include "mk_block_mma.cuh"

@@ -30,9 +30,6 @@ def option_error(lay) -> str | None:
         return "resident builds admit requests into free slots of a running batch launch: they need batch > 1"
     if lay.fold_x and lay.batch == 1:
         return "fold_x keeps a batch build's residual in its fixed-point accumulators: it needs batch > 1"
-    if lay.fx_pack and not (lay.batch > 1 and lay.fold_x and lay.mma_mlp and lay.mma_o):
-        return ("fx_pack packs two slots into each word of a batch build's folded accumulators, written by the "
-                "tensor-core down and O: it needs batch > 1, fold_x, mma_mlp and mma_o (the batch defaults)")
     if lay.block_best and lay.batch == 1:
         return "block_best merges a batch build's LM-head bests per block: it needs batch > 1"
     if lay.half_vec and not (lay.mma_qkv and lay.mma_o and lay.mma_mlp and lay.mma_lm):
@@ -41,6 +38,9 @@ def option_error(lay) -> str | None:
     if lay.pair_norm and not (lay.batch > 1 and lay.tp == 1 and lay.num_sms % 2 == 0):
         return (f"pair_norm runs a batch build's blocks in clusters of two: it needs batch > 1, tp=1 and an even "
                 f"grid (num_sms={lay.num_sms})")
+    if lay.fx_pack and not (lay.batch > 1 and lay.fold_x and lay.mma_mlp and lay.mma_o):
+        return ("fx_pack packs two slots into each word of a batch build's folded accumulators, written by the "
+                "tensor-core down and O: it needs batch > 1, fold_x, mma_mlp and mma_o (the batch defaults)")
     if lay.dn_passes != 1:
         geometry = layout_fused.down_geometry(lay.hp, lay.warps_per_block) if lay.fused_mlp else None
         if not (2 <= lay.dn_passes <= 4 and lay.batch == 1 and geometry is not None and geometry[2] == 1):

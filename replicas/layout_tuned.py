@@ -60,8 +60,11 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
 # and slot; they are bound by L2 bandwidth) +5.5% at B = 4 of 4 on llama-3.2-1b (878.9 -> 927.0 tok/s) and +9.4% at
 # B = 8; llama-3.1-8b +5.3% at B = 4, +6.2% at B = 8; batch gpu tests 14/14 with it. half_vec (-4.3% 1B B = 8) and
 # block_best (noise) stay off.
+# Session 14: fx_pack (two slots per int64 accumulator word as 2^-16 fixed-point lanes: half the down's and O's atomics
+# and half the prologues' accumulator bytes) +1.5% / +2.2% at B = 4 of 4 on llama-3.2-1b (two calls), -1.2% / +1.5% at
+# B = 8; llama-3.1-8b +4.7% at B = 4, +7.4% at B = 8; batch gpu tests 14/14 (tiny, 1B) and 7/7 (8B), resident 10/10.
 TUNED_BATCH = {"ao_slots": True, "mma_mlp": True, "mma_lm": True, "norm_once": True, "mma_qkv": True, "mma_o": True,
-               "fold_x": True}
+               "fold_x": True, "fx_pack": True}
 TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
 # Session 13: pair_norm (the blocks in clusters of two, each batch prologue's L2 reads split over the pair) pays
 # where the prologues read wide vectors: llama-3.1-8b (hidden 4,096) +3.3% / +3.8% at B = 4 (two calls), +14.1% at
@@ -90,4 +93,7 @@ def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int 
         tuned.pop("mma_qkv", None)
     if given.get("qkv_flags") or given.get("fused_attn_o") is False or given.get("o_align") is False:
         tuned.pop("mma_o", None)
+    # fx_pack packs what fold_x keeps and the tensor-core down and O add: without one of them, the int64 words
+    if "mma_o" not in tuned or any(given.get(k) is False for k in ("fold_x", "mma_o", "mma_mlp")):
+        tuned.pop("fx_pack", None)
     return {**tuned, **given}

@@ -97,7 +97,8 @@ def test_fx_pack_needs_the_folded_tensor_core_accumulators():
         with pytest.raises(LayoutError, match="fx_pack .* needs batch > 1, fold_x, mma_mlp and mma_o"):
             KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 4, "fx_pack": True, **bad}))
     lay = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 5, "fx_pack": True}))
-    plain = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 5}))
+    plain = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 5, "fx_pack": False}))
+    assert TUNED_BATCH["fx_pack"]  # (a batch default since session 14)
     # three accumulator rows (pairs) instead of five, per turn
     assert lay.buffer_sizes()["dn_part"] == 4 * 3 * lay.hp and plain.buffer_sizes()["dn_part"] == 4 * 5 * plain.hp
     assert f"-DMK_FX_PACK_SHIFT={layout_fused.FX_PACK_SHIFT}" in lay.compile_flags()

@@ -97,7 +97,7 @@ def test_the_single_build_gets_the_plain_gate_up_and_its_own_down():
     tensors = small_tensors(cfg)
     single = KernelLayout.from_config(cfg, 512, num_sms=6, **engine_options(cfg, {}))
     want = pack_weights(np, single, cfg, tensors)
-    for extra in ({"mma_qkv": False, "mma_o": False}, {}):  # (every tensor-core option re-tiles its matrix)
+    for extra in ({"mma_qkv": False, "mma_o": False, "fx_pack": False}, {}):  # (every tensor-core option re-tiles its matrix)
         lay = mlp_layout(num_sms=4, **{**TUNED_BATCH, **extra})
         assert all(k in BATCH_ONLY_OPTIONS for k in {**TUNED_BATCH, **extra})
         packed = pack_weights(np, lay, cfg, tensors)
@@ -266,7 +266,8 @@ def test_fold_x_keeps_the_residual_in_the_accumulators(o_bias):
     seqs = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (24, 16, 19)]
 
     def run(fold_x):
-        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, "fold_x": fold_x}, num_sms=5)
+        m = EmuModel(cfg, dict(bits), layout_options={"batch": 4, **TUNED_BATCH, "fold_x": fold_x, "fx_pack": False},
+                     num_sms=5)  # (int64 words of one slot: fx_pack's lanes are tests/test_fx_pack_cpu.py's)
         assert ("-DMK_FOLD_X=1" in m.layout.compile_flags()) is fold_x
         return m.forward_logits_slots(seqs)
 

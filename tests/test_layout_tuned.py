@@ -93,8 +93,8 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
     assert batch_options(c, {"mma": True}) == {"mma": True}
     assert batch_options(c, {"norm_once": False}) == {**TUNED_BATCH, "norm_once": False}  # explicit choices win
     # turning off what mma_qkv / mma_o build on leaves them out instead of refusing the layout
-    for off, dropped in (({"qkv_flags": True}, {"mma_qkv", "mma_o"}), ({"o_align": False}, {"mma_o"}),
-                         ({"fused_attn_o": False}, {"mma_o"})):
+    for off, dropped in (({"qkv_flags": True}, {"mma_qkv", "mma_o", "fx_pack"}), ({"o_align": False}, {"mma_o", "fx_pack"}),
+                         ({"fused_attn_o": False}, {"mma_o", "fx_pack"}), ({"fold_x": False}, {"fx_pack"})):
         opts = batch_options(c, off)
         assert opts == {**{k: v for k, v in TUNED_BATCH.items() if k not in dropped}, **off}
     lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c, {"o_align": False}), "batch": 4}))

@@ -137,16 +137,17 @@ def test_slots_join_while_decoding_at_step_zero_and_after_every_slot_finished(ti
 
 
 @emu_only
-@pytest.mark.parametrize("extra,sms", [({}, 4), ({"pair_norm": True}, 5), ({"fx_pack": True}, 4)],
-                         ids=["defaults", "pair-norm", "fx-pack"])
+@pytest.mark.parametrize("extra,sms", [({}, 4), ({"pair_norm": True}, 5), ({"fx_pack": False}, 4)],
+                         ids=["defaults", "pair-norm", "int64-words"])
 def test_the_batch_defaults_admit_joins_at_step_zero_and_while_decoding(tiny, extra, sms):
     """The resident build with the batched engine's defaults (layout_tuned.TUNED_BATCH: the MLP and the LM head on
     tensor cores, whose joined slots' LM input is the handed-over hidden state; ao_slots, whose combine divided by
     the live slot count while the launch idled): joins at step 0, while another decodes, and after an idle spell
     give the single kernel's greedy tokens (these prompts have no near tie at bf16 level). pair-norm: the same in
     block pairs (4 of 5 blocks: an even grid), the embed prologue after sample + emit and the idle layers included.
-    fx-pack: slots 0 and 1 share their accumulator words, so slot 0 joins beside a finished slot 1 (its LM input
-    from the handed-over state, its pair lane from the accumulator)."""
+    The defaults pack slots 0 and 1 into the same accumulator words (fx_pack), so slot 0 joins beside a finished
+    slot 1 (its LM input from the handed-over state, its pair lane from the accumulator); int64-words: one slot
+    per word, as before session 14."""
     from replicas.layout_tuned import TUNED_BATCH
     from replicas.monokernel_batch import SlotSpec
     from replicas.monokernel_emu_batch import EmuBatchGpu
@@ -154,7 +155,7 @@ def test_the_batch_defaults_admit_joins_at_step_zero_and_while_decoding(tiny, ex
 
     cfg, tensors, one = tiny
     gpu = EmuBatchGpu(cfg, tensors, 4, resident=True, layout_options={**TUNED_BATCH, **extra}, num_sms=sms)
-    assert gpu.layout.pair_norm is bool(extra.get("pair_norm")) and gpu.layout.fx_pack is bool(extra.get("fx_pack"))
+    assert gpu.layout.pair_norm is bool(extra.get("pair_norm")) and gpu.layout.fx_pack is extra.get("fx_pack", True)
     assert gpu.layout.mma_mlp and gpu.layout.mma_lm and not gpu.single_layout.mma_mlp
     rng = np.random.default_rng(43)
     prompts = {b: rng.integers(0, cfg.vocab_size, n).tolist() for b, n in ((2, 9), (1, 11), (0, 8))}
