@@ -70,22 +70,29 @@ TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
 # where the prologues read wide vectors: llama-3.1-8b (hidden 4,096) +3.3% / +3.8% at B = 4 (two calls), +14.1% at
 # B = 8; llama-3.2-1b (hidden 2,048) loses (-4.5% at B = 4, -1.3% at B = 8): its three cluster barriers per
 # prologue cost more than half of a 2,048-wide read saves. So: on from this hidden size, where the grid pairs up.
+# Session 14: with fx_pack the prologues read half the bytes, and pair_norm pays on llama-3.2-1b at B = 8 (+8.1% /
+# +8.7%, two calls) but still not at B = 4 (-0.9% / -1.0%); on llama-3.1-8b turning it off now costs -5.9% at B = 4
+# and -16.7% at B = 8. So also on where a prologue reads this many elements over all slots (hidden x B).
 PAIR_NORM_MIN_HIDDEN = 4096
+PAIR_NORM_MIN_SLOT_ELEMENTS = 16384
 
 
-def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int | None = None) -> dict:
-    """The layout options a batched engine adds to the caller's `given` (explicit choices win): the tensor-core
-    set where the model's shapes allow it (rows and vocabulary in whole 16-row tiles), else gu_il + ao_slots;
-    with the tensor-core set, pair_norm from PAIR_NORM_MIN_HIDDEN on where the grid (`grid_sms` blocks, None:
-    not known yet) is even and tp = 1."""
+def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int | None = None,
+                  batch: int | None = None) -> dict:
+    """The layout options a batched engine adds to the caller's `given` (explicit choices win) for its build of
+    `batch` slots (None: not known): the tensor-core set where the model's shapes allow it (rows and vocabulary
+    in whole 16-row tiles), else gu_il + ao_slots; with the tensor-core set, pair_norm from PAIR_NORM_MIN_HIDDEN
+    or from PAIR_NORM_MIN_SLOT_ELEMENTS = hidden x batch on, where the grid (`grid_sms` blocks, None: not known
+    yet) is even and tp = 1."""
     given = dict(given or {})
     if given.get("mma"):
         return given
     tiles = all(n % 16 == 0 for n in (config.hidden_size, config.intermediate_size, config.vocab_size))
     cuda_cores = given.get("gu_il") or not tiles or given.get("mma_mlp") is False
     tuned = dict(TUNED_BATCH_CUDA_CORES if cuda_cores else TUNED_BATCH)
-    if (not cuda_cores and config.hidden_size >= PAIR_NORM_MIN_HIDDEN and given.get("tp", 1) == 1
-            and (grid_sms is None or grid_sms % 2 == 0)):
+    wide = (config.hidden_size >= PAIR_NORM_MIN_HIDDEN
+            or (batch is not None and config.hidden_size * batch >= PAIR_NORM_MIN_SLOT_ELEMENTS))
+    if not cuda_cores and wide and given.get("tp", 1) == 1 and (grid_sms is None or grid_sms % 2 == 0):
         tuned["pair_norm"] = True
     # mma_qkv needs the QKV barrier, mma_o the fused attention + O with o_align: a caller who turns those off
     # keeps the CUDA-core QKV / O instead of a refused layout

@@ -180,8 +180,11 @@ class BatchGpuModel(GpuModel):
                     raise ValueError(f"prefill_sms={prefill_sms}: leave 1..{device_sms - 1} of the device's "
                                      f"{device_sms} SMs to the prefill")
                 layout_options["num_sms"] = device_sms - int(prefill_sms)
-        # the measured batch defaults (layout_tuned.py), for the grid the batch builds get
-        layout_options = batch_options(config, layout_options, layout_options.get("num_sms", device_sms))
+        # the measured batch defaults (layout_tuned.py), for the grid the batch builds get and each build's slots
+        # (resident builds: not by slot count yet; pair_norm at 1B B = 8 has not run resident on a GPU)
+        given, grid = layout_options, layout_options.get("num_sms", device_sms)
+        slots = (lambda n: None) if self.resident else (lambda n: n)
+        layout_options = batch_options(config, given, grid, slots(int(batch)))
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch
@@ -211,8 +214,9 @@ class BatchGpuModel(GpuModel):
             self.builds = {self.batch: (self.layout, self.kernel, self.work)}
             for n in (2, 4) if sub_builds else ():
                 if n < self.batch:
+                    opts = {k: v for k, v in batch_options(config, given, grid, slots(n)).items() if k != "num_sms"}
                     lay = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
-                                                   **engine_options(config, {**other, "batch": n}))
+                                                   **engine_options(config, {**opts, "batch": n}))
                     assert lay.packed_shapes() == self.layout.packed_shapes(), "one packing for every build"
                     self.builds[n] = (lay, load_module(lay),
                                       {k: cp.zeros(m, cp.float32) for k, m in lay.buffer_sizes().items()})

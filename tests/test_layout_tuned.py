@@ -84,6 +84,9 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
         wide = c.hidden_size >= 4096  # pair_norm: on 8B, not on 1B (bench/RESULTS.md session 13)
         assert batch_options(c) == ({**TUNED_BATCH, "pair_norm": True} if wide else TUNED_BATCH)
         assert batch_options(c, grid_sms=131) == TUNED_BATCH  # an odd grid cannot pair its blocks
+        # pair_norm by slots x hidden (session 14): on for 1B at B = 8, not at B = 4; 8B at every B
+        assert batch_options(c, batch=8).get("pair_norm", False) is (c.hidden_size * 8 >= 16384)
+        assert batch_options(c, batch=4).get("pair_norm", False) is wide
         lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c), "batch": 4}))
         assert lay.mma_mlp and lay.mma_lm and lay.norm_once and lay.ao_slots and not lay.gu_il
         assert lay.mma_qkv and lay.mma_o
