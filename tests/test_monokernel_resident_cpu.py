@@ -378,7 +378,10 @@ def test_an_idle_resident_launch_hands_the_gpu_back_to_forward_logits_and_close(
     eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np), idle_s=600.0)
     rng = np.random.default_rng(47)
     ps = [rng.integers(0, cfg.vocab_size, 7).tolist() for _ in range(3)]
-    a = eng.generate(ps[0], greedy(40))
+    # (a's budget stays under SWITCH_MIN_TOKENS once b ends, so the launch never hands a lone `a` to the single
+    # build: with 40 tokens a loaded machine could see b end before a's cancel, and the launch left was a's single
+    # one, not the idle resident launch this test needs)
+    a = eng.generate(ps[0], greedy(12))
     next(a)
     b = eng.generate(ps[1], greedy(3))  # a batch launch of both (a yield of the single one)
     assert list(b) == one.generate_greedy(ps[1], 3)
