@@ -183,8 +183,11 @@ class BatchGpuModel(GpuModel):
         # the measured batch defaults (layout_tuned.py), for the grid the batch builds get and each build's slots
         # (resident builds: not by slot count yet; pair_norm at 1B B = 8 has not run resident on a GPU)
         given, grid = layout_options, layout_options.get("num_sms", device_sms)
-        slots = (lambda n: None) if self.resident else (lambda n: n)
-        layout_options = batch_options(config, given, grid, slots(int(batch)))
+
+        def options_for(n: int) -> dict:
+            return batch_options(config, given, grid, None if self.resident else n)
+
+        layout_options = options_for(int(batch))
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
                          layout_options={**layout_options, "batch": int(batch)})
         self.batch = self.layout.batch
@@ -214,7 +217,7 @@ class BatchGpuModel(GpuModel):
             self.builds = {self.batch: (self.layout, self.kernel, self.work)}
             for n in (2, 4) if sub_builds else ():
                 if n < self.batch:
-                    opts = {k: v for k, v in batch_options(config, given, grid, slots(n)).items() if k != "num_sms"}
+                    opts = {k: v for k, v in options_for(n).items() if k != "num_sms"}
                     lay = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                    **engine_options(config, {**opts, "batch": n}))
                     assert lay.packed_shapes() == self.layout.packed_shapes(), "one packing for every build"
