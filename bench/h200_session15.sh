@@ -11,6 +11,6 @@ MK_BATCH_TEST_SLOTS=8 stage bt8 170 python3 -m pytest -q -x $PT -m gpu tests/tes
 MK_RESIDENT_TEST_LAYOUT=pair_norm=1 stage rtp 120 python3 -m pytest -q -x $PT -m gpu tests/test_monokernel_resident_gpu.py
 stage t1 140 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --runs 2 --peer --out /tmp/t1
 stage r8 140 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --resident --peer --layout pair_norm=1 --out /tmp/r8
-{ echo "total ${SECONDS}s"; tail -3 "$OUT/bt8.log" "$OUT/rtp.log"; cat /tmp/t1/batch.md /tmp/r8/batch.md 2>/dev/null; } >> "$OUT/summary.txt"
+{ echo "total ${SECONDS}s"; tail -n 2 "$OUT/bt8.log" "$OUT/rtp.log"; cat /tmp/t1/batch.md /tmp/r8/batch.md 2>/dev/null; } >> "$OUT/summary.txt"
 cp -r /tmp/r8 "$OUT/r8" 2>/dev/null
 cat "$OUT/summary.txt"

@@ -181,11 +181,10 @@ class BatchGpuModel(GpuModel):
                                      f"{device_sms} SMs to the prefill")
                 layout_options["num_sms"] = device_sms - int(prefill_sms)
         # the measured batch defaults (layout_tuned.py), for the grid the batch builds get and each build's slots
-        # (resident builds: not by slot count yet; pair_norm at 1B B = 8 has not run resident on a GPU)
         given, grid = layout_options, layout_options.get("num_sms", device_sms)
 
         def options_for(n: int) -> dict:
-            return batch_options(config, given, grid, None if self.resident else n)
+            return batch_options(config, given, grid, n)
 
         layout_options = options_for(int(batch))
         super().__init__(config, tensors, device=device, max_context=max_context, progress=progress,
