@@ -15,8 +15,9 @@
 
 #if MK_MMA_MLP || MK_MMA_QKV || MK_MMA_O
 constexpr int kBc = (kB + 1) & ~1;  // slot columns a piece keeps (even: float2 stores)
-// The pieces sit after the h slices (bf16 with mma_mlp), which no phase but the MLP uses (layout.act_floats).
-constexpr int kPieceOff = kFxH + kB * MK_FX_SLICE / (MK_MMA_MLP ? 2 : 1);
+// The pieces sit after the h slices (bf16 with mma_mlp; pair_dn: the pair's two), which no phase but the MLP uses
+// (layout.act_floats).
+constexpr int kPieceOff = kFxH + kB * MK_FX_SLICE / (MK_MMA_MLP && !MK_PAIR_DN ? 2 : 1);
 static_assert(kPieceOff % 2 == 0 && MK_FX_SLICE % 4 == 0, "pieces: 8-byte aligned float2 stores");
 static_assert(MK_MMLP_PIECES >= 1, "pieces: streaming warps + most units per block - 1 (layout_mma_mlp.pieces)");
 

@@ -126,12 +126,15 @@ MK_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(
 MK_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif
 
-// ---- thread-block clusters (layout option pair_norm: the kernel is launched in clusters of MK_CLUSTER) ----
+// ---- thread-block clusters (layout options pair_norm, pair_dn: the kernel is launched in clusters of MK_CLUSTER) ----
 #ifndef MK_CLUSTER
 #define MK_CLUSTER 1
 #endif
 #ifndef MK_PAIR_NORM
 #define MK_PAIR_NORM 0  // layout option pair_norm (flag emitted only when on; with MK_CLUSTER=2)
+#endif
+#ifndef MK_PAIR_DN
+#define MK_PAIR_DN 0  // layout option pair_dn (flag emitted only when on; with MK_CLUSTER=2)
 #endif
 // Every thread of every block of the cluster; orders shared-memory stores into the cluster's blocks (DSMEM)
 // before the loads after it (arrive has release, wait acquire semantics).

@@ -6,6 +6,9 @@
 //            warps (mk_block_mma.cuh block_mma); h = SiLU(gate) * up, as bf16 in B-fragment order
 //   down     warp w owns output tiles [o0, o1) (16 hidden rows) over the block's h slice (dn_share), and adds
 //            each finished tile's 16 x B sums to the int64 accumulator straight from its registers
+//   pair_dn  blocks 2p, 2p + 1 (one cluster) write their h into both blocks' shared memory; each then downs half
+//            the output tiles over the pair's h rows: half the atomics, whose drain through the L2's atomic
+//            units (not the issuing warps) is what the batch down costs (csrc/NOTES.md, session 14)
 // Inputs: the post-attention RMSNorm writes every slot's normed x as bf16 in B-fragment order (frag_half), so
 // each k-step is one 8-byte load per lane for all slots. Unlike the CUDA-core path, x and h are rounded to
 // bf16 (tests compare within the transformers tolerance).
@@ -24,11 +27,28 @@ MK_DEVICE void fused_mlp_mma(WeightStream& st, const MkParams& p, float* s_act, 
   const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   uint16_t* s_hf = reinterpret_cast<uint16_t*>(s_act + kFxH);
   const int nt = block_units((int)(MK_I / 16));  // the block's gate/up tiles (gu_row0 / 16)
+#if MK_PAIR_DN
+  // The pair's h rows in both blocks' shared memory, rank 0's tiles first: rank 1's start after its peer's.
+  static_assert(MK_CLUSTER == 2, "pair_dn: clusters of two blocks");
+  const unsigned rank = __clusterRelativeBlockRank();
+  uint16_t* peer_hf = static_cast<uint16_t*>(__cluster_map_shared_rank(s_hf, rank ^ 1u));
+  const int koff = rank ? (int)((unsigned)(MK_I / 16) * blockIdx.x / gridDim.x)
+                          - (int)((unsigned)(MK_I / 16) * (blockIdx.x - 1) / gridDim.x) : 0;
+#else
+  constexpr int koff = 0;
+#endif
   block_mma<2, kKS>(st, p, s_act, st.gw >= 0 ? gu_share(st.gw) : TileShare{0, 0, 0}, nt,
                     [](int) { return 0; }, s_act + kPieceOff, [&](int t, int r, int b, const float* gu) {
     const float h = slot_on(live, b) ? gu[0] / (1.f + __expf(-gu[0])) * gu[1] : 0.f;
-    s_hf[frag_half(b, t * 16 + r)] = f32_to_bf16(h);
+    const int i = frag_half(b, (koff + t) * 16 + r);
+    s_hf[i] = f32_to_bf16(h);
+#if MK_PAIR_DN
+    peer_hf[i] = s_hf[i];
+#endif
   });
+#if MK_PAIR_DN
+  cluster_sync();  // both blocks' h slices in both blocks (the peer is past the O barrier: its h region is free)
+#endif
   MK_TL_AT(tl, 12);  // (the h slice is complete)
   if (st.gw >= 0) {
     const DnShare s = dn_share(st.gw);

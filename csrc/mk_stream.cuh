@@ -109,11 +109,17 @@ MK_DEVICE TileShare gu_share(int gw) { return tile_share(gw, (int)(MK_I / 16), k
 // The down of block b (layout_mma_mlp.dn_share): its h rows [js, js + 16 nt) are nt k-steps; warp w owns the
 // output tiles [o0, o1) (16 hidden rows each) over all of them, stored (tile, k-step) in A-fragment order
 // from element js * H of the layer's packed down.
+// pair_dn: the h rows are the pair's (blocks b & ~1 and b | 1), and rank r owns half r of the output tiles.
 struct DnShare { int js, nt, o0, o1; };
 MK_DEVICE DnShare dn_share(int gw) {
   const int b = gw / kStreamWarps, w = gw % kStreamWarps;
-  const int js = (int)gu_row0(b);
-  return {js, ((int)gu_row0(b + 1) - js) / 16, (MK_H / 16) * w / kStreamWarps, (MK_H / 16) * (w + 1) / kStreamWarps};
+#if MK_PAIR_DN
+  const int js = (int)gu_row0(b & ~1), je = (int)gu_row0((b | 1) + 1), r = b & 1;
+  const int a = (MK_H / 16) * r / 2, n = (MK_H / 16) * (r + 1) / 2 - a;
+#else
+  const int js = (int)gu_row0(b), je = (int)gu_row0(b + 1), a = 0, n = MK_H / 16;
+#endif
+  return {js, (je - js) / 16, a + n * w / kStreamWarps, a + n * (w + 1) / kStreamWarps};
 }
 #endif
 

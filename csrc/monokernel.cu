@@ -90,8 +90,8 @@ MK_DEVICE void stage_vector(const float* src, float* s_act) {
   __syncthreads();
 }
 
-#if MK_PAIR_NORM
-#define MK_CLUSTER_DIMS __cluster_dims__(2, 1, 1)  // (pairs of blocks: mk_batch.cuh residual_norm_slots)
+#if MK_CLUSTER == 2
+#define MK_CLUSTER_DIMS __cluster_dims__(2, 1, 1)  // (pairs of blocks: mk_batch.cuh residual_norm_slots, mk_mlp_mma.cuh)
 #else
 #define MK_CLUSTER_DIMS
 #endif

@@ -74,7 +74,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 # Layout options that only switch a code path on: (field, the -D flag set to 1 when on; emitted only then, so builds
 # without them keep their flags and cubins)
-SWITCH_FLAGS = (("fx_pack", "MK_FX_PACK"), ("pair_norm", "MK_PAIR_NORM"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
+SWITCH_FLAGS = (("fx_pack", "MK_FX_PACK"), ("pair_norm", "MK_PAIR_NORM"), ("pair_dn", "MK_PAIR_DN"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
                 ("param_value", "MK_PARAM_VALUE"), ("div32", "MK_DIV32"), ("gu_il", "MK_GU_IL"),
                 ("o_align", "MK_O_ALIGN"), ("zero_spread", "MK_ZERO_SPREAD"))
 
@@ -164,6 +164,7 @@ class KernelLayout:
     fold_x: bool = False  # batch builds: the residual kept in the int64 accumulators (prologues read 8 of 12 bytes)
     pair_norm: bool = False  # batch builds in clusters of 2 blocks: each prologue's L2 reads split over the pair
     fx_pack: bool = False  # fold_x builds: two slots per int64 accumulator word (half the atomics and prologue bytes)
+    pair_dn: bool = False  # mma_mlp builds in clusters of 2: each block downs half the rows of the pair's h (half the atomics)
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -181,7 +182,8 @@ class KernelLayout:
                     resident: bool = False, act_bf16: bool = False, mma_mlp: bool = False,
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
                     mma_o: bool = False, half_vec: bool = False, block_best: bool = False,
-                    fold_x: bool = False, pair_norm: bool = False, fx_pack: bool = False) -> KernelLayout:
+                    fold_x: bool = False, pair_norm: bool = False, fx_pack: bool = False,
+                    pair_dn: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -209,7 +211,7 @@ class KernelLayout:
                    act_bf16=bool(act_bf16), mma_mlp=bool(mma_mlp),
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
                    mma_o=bool(mma_o), half_vec=bool(half_vec), block_best=bool(block_best),
-                   fold_x=bool(fold_x), pair_norm=bool(pair_norm), fx_pack=bool(fx_pack))
+                   fold_x=bool(fold_x), pair_norm=bool(pair_norm), fx_pack=bool(fx_pack), pair_dn=bool(pair_dn))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():
@@ -274,6 +276,11 @@ class KernelLayout:
         return self.num_sms * self.warps_per_block
 
     @property
+    def cluster(self) -> int:
+        """Blocks per thread-block cluster of the launch (pair_norm, pair_dn: pairs sharing one TPC)."""
+        return 2 if self.pair_norm or self.pair_dn else 1
+
+    @property
     def attn_floats(self) -> int:
         """Attention scratch (aliases the activation buffer): q, k/v of the step, scores, stats,
         one tile of cached K and V (mirrors kAttnFloats in csrc/mk_attention.cuh)."""
@@ -292,8 +299,9 @@ class KernelLayout:
         if self.batch > 1:  # per-slot matvec inputs side by side, then the fused MLP's h slices (mk_batch.cuh)
             vectors = self.batch * self.act_vec // (2 if self.bf16_vectors else 1)  # (kVecFloats)
             fx_h = max(layout_fused.part_floats(self), vectors)
-            # mma_mlp: the h slices are bf16 (half); then the block-tiled matvecs' pieces (csrc/mk_block_mma.cuh)
-            h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp else 1)
+            # mma_mlp: the h slices are bf16 (half; pair_dn: the pair's two); then the block-tiled matvecs' pieces
+            # (csrc/mk_block_mma.cuh)
+            h = self.batch * layout_fused.slice_floats(self) // (2 if self.mma_mlp and not self.pair_dn else 1)
             pieces = layout_mma_mlp.piece_floats(self) if layout_mma_mlp.block_tiled(self) else 0
             return max(fx_h + h + pieces,
                        vectors + 2 * self.group * MAX_ATTN_SPLITS,

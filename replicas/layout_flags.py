@@ -60,8 +60,8 @@ def compile_defs(lay) -> dict:
         defs["MK_NORM_EARLY"] = 1
     if lay.fx_pack:
         defs["MK_FX_PACK_SHIFT"] = layout_fused.FX_PACK_SHIFT
-    if lay.pair_norm:
-        defs["MK_CLUSTER"] = 2  # (the kernel's __cluster_dims__; the CPU emulation's cluster size)
+    if lay.cluster > 1:
+        defs["MK_CLUSTER"] = lay.cluster  # (the kernel's __cluster_dims__; the CPU emulation's cluster size)
     if lay.ao_preload:
         defs["MK_AO_PRELOAD"] = 1
     if lay.tp > 1:  # single-GPU builds get exactly the flags (and code) they always had

@@ -16,6 +16,9 @@ gate/up had 512 tiles for 2,112 warps. Here the split stays as fine as the CUDA-
            (output tile, k-step) order from element js·H of the layer (`pack_down`); warp w owns output
            tiles [o0, o1) over every k-step (`dn_share`) and adds each tile's int64 fixed-point sums to
            the accumulator straight from its registers (no partials pass, no barrier per slot).
+           pair_dn: blocks 2p and 2p + 1 run as one cluster, each writes its h slice into both blocks'
+           shared memory, and each downs half the output tiles over the pair's h rows: half the atomics
+           (the L2's atomic units, not the warps issuing them, are the batch down's cost: csrc/NOTES.md).
 
 The single-sequence build keeps the CUDA-core MLP (mma_mlp is a batch-only option), so the batched
 engine gives it its own plain gate/up and fused-down packing (monokernel_batch.regrid_weights).
@@ -128,12 +131,36 @@ def qkv_units(lay) -> tuple[int, int]:
     return lay.qkv_rows // TILE * s, k_steps(lay) // s
 
 
+def dn_block(lay, b: int) -> tuple[int, int, int, int]:
+    """Block b's down: (first h row js, k-steps nt, first output tile, end output tile). Its h rows are its own
+    gate/up tiles; with pair_dn those of its pair (blocks 2p, 2p + 1, one cluster), whose output tiles it splits
+    with its peer: rank r takes half r of them, so each block adds half the rows to the accumulators."""
+    tiles = lay.hidden // TILE
+    if not lay.pair_dn:
+        t0, t1 = block_tiles(lay, b)
+        return t0 * TILE, t1 - t0, 0, tiles
+    t0, t1 = block_tiles(lay, b & ~1)[0], block_tiles(lay, b | 1)[1]
+    r = b & 1
+    return t0 * TILE, t1 - t0, tiles * r // 2, tiles * (r + 1) // 2
+
+
 def dn_share(lay, b: int, w: int) -> tuple[int, int, int, int]:
     """Warp w of block b: (first h row js, k-steps nt, first output tile, end output tile) of its down run,
     which starts at element js * hidden + o0 * nt * 256 of the layer's packed down (csrc/mk_stream.cuh)."""
-    t0, t1 = block_tiles(lay, b)
-    W, tiles = lay.warps_per_block, lay.hidden // TILE
-    return t0 * TILE, t1 - t0, tiles * w // W, tiles * (w + 1) // W
+    js, nt, a, e = dn_block(lay, b)
+    W = lay.warps_per_block
+    return js, nt, a + (e - a) * w // W, a + (e - a) * (w + 1) // W
+
+
+def dn_groups(lay) -> list[tuple[int, int]]:
+    """The h row ranges [js, je) packed as one column block of down: each block's, or each pair's (pair_dn)."""
+    step = 2 if lay.pair_dn else 1
+    out = []
+    for b in range(0, lay.num_sms, step):
+        js, nt, _, _ = dn_block(lay, b)
+        if nt:
+            out.append((js, js + nt * TILE))
+    return out
 
 
 def max_block_tiles(lay) -> int:
@@ -177,14 +204,12 @@ def piece_floats(lay) -> int:
 
 def pack_down(xp, lay, down):
     """down [hidden, inter] (bf16 bits) -> the layer's packed down, flat [inter * Hp] (the first
-    inter * hidden elements used): block b's columns as A tiles, (output tile, k-step) order."""
+    inter * hidden elements used): each block's (pair_dn: each pair's) columns as A tiles, (output tile, k-step)
+    order."""
     out = xp.zeros(lay.inter * lay.hp, xp.uint16)
     down = xp.asarray(down)
-    for b in range(lay.num_sms):
-        t0, t1 = block_tiles(lay, b)
-        if t1 > t0:
-            js, je = t0 * TILE, t1 * TILE
-            out[js * lay.hidden:je * lay.hidden] = layout_mma._fragments(xp, xp.ascontiguousarray(down[:, js:je])).reshape(-1)
+    for js, je in dn_groups(lay):
+        out[js * lay.hidden:je * lay.hidden] = layout_mma._fragments(xp, xp.ascontiguousarray(down[:, js:je])).reshape(-1)
     return out
 
 
@@ -255,7 +280,7 @@ def simulate_mlp(lay, w_gu: np.ndarray, w_dn: np.ndarray, x: np.ndarray, live=No
     B, ks, W = x.shape[0], k_steps(lay), lay.warps_per_block
     live = range(B) if live is None else live
     xb = round_bf16(x).astype(np.float64)
-    total = np.zeros((B, lay.hidden), np.int64)
+    hb = np.zeros((lay.inter, B), np.float64)  # every block's h slice, bf16-rounded: [inter rows, B]
     for b in range(lay.num_sms):
         t0, t1 = block_tiles(lay, b)
         nt = t1 - t0
@@ -272,16 +297,18 @@ def simulate_mlp(lay, w_gu: np.ndarray, w_dn: np.ndarray, x: np.ndarray, live=No
                 gate[t] += (unfragment(w_gu[pair:pair + 256]) @ xin).astype(np.float32)
                 up[t] += (unfragment(w_gu[pair + 256:pair + 512]) @ xin).astype(np.float32)
         h = gate / (1 + np.exp(-gate.astype(np.float64))) * up
-        hb = round_bf16(h.reshape(nt * TILE, B)).astype(np.float64)  # [rows, B]
-        for b_ in range(B):
-            if b_ not in live:
-                hb[:, b_] = 0.0
+        hb[t0 * TILE:t1 * TILE] = round_bf16(h.reshape(nt * TILE, B)).astype(np.float64)
+    for b_ in range(B):
+        if b_ not in live:
+            hb[:, b_] = 0.0
+    total = np.zeros((B, lay.hidden), np.int64)
+    for b in range(lay.num_sms):
         for w in range(W):
             js, nt_, o0, o1 = dn_share(lay, b, w)
             for o in range(o0, o1):
                 acc = np.zeros((TILE, B), np.float32)
                 for k in range(nt_):
                     off = js * lay.hidden + (o * nt_ + k) * 256
-                    acc += (unfragment(w_dn[off:off + 256]) @ hb[k * TILE:(k + 1) * TILE]).astype(np.float32)
+                    acc += (unfragment(w_dn[off:off + 256]) @ hb[js + k * TILE:js + (k + 1) * TILE]).astype(np.float32)
                 total[:, o * TILE:(o + 1) * TILE] += np.rint(acc.T.astype(np.float64) * 2.0 ** layout_fused.FX_SHIFT).astype(np.int64)
     return (total.astype(np.float64) * 2.0 ** -layout_fused.FX_SHIFT).astype(np.float32)

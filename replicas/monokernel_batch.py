@@ -30,7 +30,7 @@ from replicas.layout_fused import pack_down_fused
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
-                      "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack")  # layout options the single-sequence build does not take
+                      "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack", "pair_dn")  # layout options the single-sequence build does not take
 
 
 def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:
@@ -220,6 +220,7 @@ class BatchGpuModel(GpuModel):
                     lay = KernelLayout.from_config(config, self.max_context, num_sms=self.layout.num_sms,
                                                    **engine_options(config, {**opts, "batch": n}))
                     assert lay.packed_shapes() == self.layout.packed_shapes(), "one packing for every build"
+                    assert lay.pair_dn == self.layout.pair_dn, "one down packing for every build (pair_dn)"
                     self.builds[n] = (lay, load_module(lay),
                                       {k: cp.zeros(m, cp.float32) for k, m in lay.buffer_sizes().items()})
         self._last = (self.work, self.batch)  # the work buffers (and slot count) of the last batch launch

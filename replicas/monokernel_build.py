@@ -74,7 +74,7 @@ def load_module(layout: KernelLayout, cooperative: bool = True):
         if coop_error is not None:
             warnings.warn(f"cooperative launch unavailable ({coop_error!r}); launching one block per SM plainly")
     kernel.max_dynamic_shared_size_bytes = layout.smem_bytes
-    if layout.pair_norm and cooperative:
+    if layout.cluster > 1 and cooperative:
         from replicas.cluster_launch import ExLaunch, launch_mode
         if launch_mode() == "ex":  # (the compiled-in cluster shape, launched through cuLaunchKernelEx)
             return ExLaunch(kernel)

@@ -47,9 +47,11 @@ def small_tensors(cfg, seed=4):
             for k, s in expected_tensors(cfg).items()}
 
 
-@pytest.mark.parametrize("preset,num_sms", [("tiny", 5), ("tiny", 4), ("llama-3.2-1b", 116), ("llama-3.1-8b", 132)])
-def test_every_packed_element_is_streamed_by_exactly_one_warp(preset, num_sms):
-    lay = mlp_layout(preset, num_sms=num_sms)
+@pytest.mark.parametrize("preset,num_sms,pair_dn", [("tiny", 5, False), ("tiny", 4, False), ("llama-3.2-1b", 116, False),
+                                                    ("llama-3.1-8b", 132, False), ("tiny", 4, True), ("tiny", 6, True),
+                                                    ("llama-3.2-1b", 116, True), ("llama-3.1-8b", 132, True)])
+def test_every_packed_element_is_streamed_by_exactly_one_warp(preset, num_sms, pair_dn):
+    lay = mlp_layout(preset, num_sms=num_sms, pair_dn=pair_dn)
     W, ks = lay.warps_per_block, M.k_steps(lay)
     gu, dn = np.zeros(lay.inter * 2 * lay.hp // 256, np.int32), np.zeros(lay.inter * lay.hidden // 256, np.int32)
     for b in range(lay.num_sms):
@@ -61,11 +63,17 @@ def test_every_packed_element_is_streamed_by_exactly_one_warp(preset, num_sms):
             dn[start:start + (o1 - o0) * nt] += 1
     assert (gu == 1).all() and (dn == 1).all()
     assert M.max_block_tiles(lay) * 16 <= layout_fused.slice_floats(lay)
+    # pair_dn: each block of a pair downs half the output rows over both blocks' h rows, which fit its h region
+    for b in range(lay.num_sms):
+        js, nt, a, e = M.dn_block(lay, b)
+        assert nt * 16 <= layout_fused.slice_floats(lay) * (2 if pair_dn else 1)
+        assert (e - a) == (lay.hidden // 16 // 2 if pair_dn else lay.hidden // 16) or (pair_dn and e - a == -(-lay.hidden // 32))
 
 
-@pytest.mark.parametrize("num_sms,live", [(5, (0, 1, 2, 3)), (3, (0, 2))])
-def test_the_warps_compute_the_plain_mlp_with_bf16_inputs(num_sms, live):
-    lay = mlp_layout(num_sms=num_sms)
+@pytest.mark.parametrize("num_sms,live,pair_dn", [(5, (0, 1, 2, 3), False), (3, (0, 2), False), (4, (0, 1, 2, 3), True),
+                                                  (6, (1, 3), True)])
+def test_the_warps_compute_the_plain_mlp_with_bf16_inputs(num_sms, live, pair_dn):
+    lay = mlp_layout(num_sms=num_sms, pair_dn=pair_dn)
     cfg = preset_config("tiny")
     tensors = small_tensors(cfg)
     w = pack_weights(np, lay, cfg, tensors)
