@@ -75,6 +75,11 @@ TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
 # and -16.7% at B = 8. So also on where a prologue reads this many elements over all slots (hidden x B).
 PAIR_NORM_MIN_HIDDEN = 4096
 PAIR_NORM_MIN_SLOT_ELEMENTS = 16384
+# Session 15: pair_dn (blocks in clusters of two share their h slices; each downs half the output rows over the
+# pair's h, so half the down's atomics) on llama-3.2-1b +2.1% / +0.9% at B = 4 (two calls), +1.6% at B = 2, +2.6% at
+# B = 8, same greedy tokens; llama-3.1-8b +4.4% at B = 4, +3.3% at B = 8; batch gpu tests 14/14 (tiny, 1B, and with 8
+# slots), 7/7 (8B), resident 10/10 with it. Engine-wide (every build of an engine shares one down packing): on with
+# the tensor-core MLP where the grid pairs up and tp = 1.
 
 
 def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int | None = None,
@@ -82,8 +87,8 @@ def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int 
     """The layout options a batched engine adds to the caller's `given` (explicit choices win) for its build of
     `batch` slots (None: not known): the tensor-core set where the model's shapes allow it (rows and vocabulary
     in whole 16-row tiles), else gu_il + ao_slots; with the tensor-core set, pair_norm from PAIR_NORM_MIN_HIDDEN
-    or from PAIR_NORM_MIN_SLOT_ELEMENTS = hidden x batch on, where the grid (`grid_sms` blocks, None: not known
-    yet) is even and tp = 1."""
+    or from PAIR_NORM_MIN_SLOT_ELEMENTS = hidden x batch on, and pair_dn at every batch, where the grid
+    (`grid_sms` blocks, None: not known yet) is even and tp = 1."""
     given = dict(given or {})
     if given.get("mma"):
         return given
@@ -92,8 +97,11 @@ def batch_options(config: ModelConfig, given: dict | None = None, grid_sms: int 
     tuned = dict(TUNED_BATCH_CUDA_CORES if cuda_cores else TUNED_BATCH)
     wide = (config.hidden_size >= PAIR_NORM_MIN_HIDDEN
             or (batch is not None and config.hidden_size * batch >= PAIR_NORM_MIN_SLOT_ELEMENTS))
-    if not cuda_cores and wide and given.get("tp", 1) == 1 and (grid_sms is None or grid_sms % 2 == 0):
+    pairs = not cuda_cores and given.get("tp", 1) == 1 and (grid_sms is None or grid_sms % 2 == 0)
+    if pairs and wide:
         tuned["pair_norm"] = True
+    if pairs:
+        tuned["pair_dn"] = True
     # mma_qkv needs the QKV barrier, mma_o the fused attention + O with o_align: a caller who turns those off
     # keeps the CUDA-core QKV / O instead of a refused layout
     if given.get("qkv_flags"):

@@ -341,13 +341,13 @@ def test_the_batch_defaults_serve_the_other_families(preset, dims):
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 4), ("llama-3.1-8b", 8)])
 def test_mma_mlp_kernel_compiles_for_sm90a(preset, batch, tmp_path):
     """What the batched engines build on an H200 (resident: 116 SMs): their defaults, layout_tuned.batch_options
-    (8B: with pair_norm, the kernel in clusters of two)."""
+    (the kernel in clusters of two for pair_dn; 8B with pair_norm too)."""
     from replicas.layout_tuned import batch_options
 
     c = preset_config(preset)
     lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c, grid_sms=116), "batch": batch,
                                                                  "num_sms": 116, "resident": True}))
-    assert lay.mma_mlp and lay.fold_x and lay.pair_norm == (c.hidden_size >= 4096)
+    assert lay.mma_mlp and lay.fold_x and lay.pair_dn and lay.pair_norm == (c.hidden_size >= 4096)
     src = tmp_path / "mk.cu"
     src.write_text(kernel_source())
     r = subprocess.run(nvcc_command(lay, src, tmp_path / "mk.cubin"), capture_output=True, text=True, timeout=300)

@@ -82,8 +82,12 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
     for preset in ("tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"):
         c = preset_config(preset)
         wide = c.hidden_size >= 4096  # pair_norm: on 8B, not on 1B (bench/RESULTS.md session 13)
-        assert batch_options(c) == ({**TUNED_BATCH, "pair_norm": True} if wide else TUNED_BATCH)
+        # pair_dn on every even grid (session 15), pair_norm where the prologues read wide vectors
+        paired = {**TUNED_BATCH, "pair_dn": True}
+        assert batch_options(c) == ({**paired, "pair_norm": True} if wide else paired)
         assert batch_options(c, grid_sms=131) == TUNED_BATCH  # an odd grid cannot pair its blocks
+        assert batch_options(c, {"tp": 2}).get("pair_dn") is None  # the pairs are tp = 1 only
+        assert batch_options(c, {"pair_dn": False})["pair_dn"] is False  # explicit choices win
         # pair_norm by slots x hidden (session 14): on for 1B at B = 8, not at B = 4; 8B at every B
         assert batch_options(c, batch=8).get("pair_norm", False) is (c.hidden_size * 8 >= 16384)
         assert batch_options(c, batch=4).get("pair_norm", False) is wide
@@ -94,20 +98,20 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
     assert batch_options(c, {"gu_il": True}) == {**TUNED_BATCH_CUDA_CORES, "gu_il": True}  # asked for: CUDA cores
     assert batch_options(c, {"mma_mlp": False}) == {**TUNED_BATCH_CUDA_CORES, "mma_mlp": False}
     assert batch_options(c, {"mma": True}) == {"mma": True}
-    assert batch_options(c, {"norm_once": False}) == {**TUNED_BATCH, "norm_once": False}  # explicit choices win
+    assert batch_options(c, {"norm_once": False}) == {**paired, "norm_once": False}  # explicit choices win
     # turning off what mma_qkv / mma_o build on leaves them out instead of refusing the layout
     for off, dropped in (({"qkv_flags": True}, {"mma_qkv", "mma_o", "fx_pack"}), ({"o_align": False}, {"mma_o", "fx_pack"}),
                          ({"fused_attn_o": False}, {"mma_o", "fx_pack"}), ({"fold_x": False}, {"fx_pack"})):
         opts = batch_options(c, off)
-        assert opts == {**{k: v for k, v in TUNED_BATCH.items() if k not in dropped}, **off}
+        assert opts == {**{k: v for k, v in paired.items() if k not in dropped}, **off}
     lay = KernelLayout.from_config(c, 2048, **engine_options(c, {**batch_options(c, {"o_align": False}), "batch": 4}))
     assert lay.mma_qkv and not lay.mma_o
     c8 = preset_config("llama-3.1-8b")
-    assert batch_options(c8, {"pair_norm": False}) == {**TUNED_BATCH, "pair_norm": False}
-    assert "pair_norm" not in batch_options(c8, {"mma_mlp": False})  # (the CUDA-core set keeps its measured form)
+    assert batch_options(c8, {"pair_norm": False}) == {**paired, "pair_norm": False}
+    assert not {"pair_norm", "pair_dn"} & set(batch_options(c8, {"mma_mlp": False}))  # (the CUDA-core set keeps its measured form)
     lay = KernelLayout.from_config(c8, 2048, **engine_options(c8, {**batch_options(c8, grid_sms=116), "batch": 8,
                                                                    "num_sms": 116}))
-    assert lay.pair_norm and "-DMK_PAIR_NORM=1" in lay.compile_flags()
+    assert lay.pair_norm and lay.pair_dn and "-DMK_PAIR_NORM=1" in lay.compile_flags()
     odd = ModelConfig.from_hf_dict({**PRESETS["llama-3.2-1b"], "vocab_size": 128_250}, source="odd vocab")
     assert batch_options(odd) == TUNED_BATCH_CUDA_CORES  # (the LM head's tiles need a multiple of 16)
 
