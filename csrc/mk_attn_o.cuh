@@ -109,6 +109,15 @@ MK_DEVICE void ao_combine_group_pre(const MkParams& p, int nsplit, int g, float*
 }
 #endif
 
+// Slot b's combined attention output element i of kv group g into its staged O input.
+MK_DEVICE void ao_put(float* s_act, int b, int g, int i, float v) {
+#if MK_MMA_O
+  reinterpret_cast<uint16_t*>(s_act)[frag_half(b, g * MK_AO_GDP + i)] = f32_to_bf16(v);  // (o_mma's B operand)
+#else
+  act_store(s_act, b, i, v, g * MK_AO_GDP);
+#endif
+}
+
 #ifndef MK_AO_SLOTS
 #define MK_AO_SLOTS 0  // layout option ao_slots (batch builds; flag emitted only when on)
 #endif
@@ -151,11 +160,57 @@ MK_DEVICE void ao_combine_group_slots(const MkParams& p, int step, unsigned live
 #pragma unroll 4
       for (int s = 0; s < ns; s++) acc += w[h * S + s] * __ldcg(o + (long long)s * kGroup * MK_D);
     }
-#if MK_MMA_O
-    reinterpret_cast<uint16_t*>(s_act)[frag_half(b, g * MK_AO_GDP + i)] = f32_to_bf16(acc);  // (o_mma's B operand)
-#else
-    act_store(s_act, b, i, acc, g * MK_AO_GDP);
+    ao_put(s_act, b, g, i, acc);
+  }
+  __syncthreads();
+}
 #endif
+
+#ifndef MK_AO_ONEPASS
+#define MK_AO_ONEPASS 0  // layout option ao_onepass (ao_slots builds; flag emitted only when on)
+#endif
+#if MK_BATCH > 1 && MK_AO_SLOTS && MK_AO_ONEPASS
+// ao_combine_group_slots in one dependent L2 round trip instead of two: each thread loads its element's split
+// outputs together with its head's split maxima and sums (one address per warp and split: broadcast loads), four
+// splits at a time, and merges them as an online softmax (running maximum, sums rescaled when it rises). With at
+// most four splits (a B = 4 build at 4 slots) the maximum is the exact one of the two-pass form and only the fp32
+// summation order differs. No shared scratch and no block barrier before the staged values.
+MK_DEVICE void ao_combine_group_onepass(const MkParams& p, int step, unsigned live, int g, float* s_act) {
+  const int tid = threadIdx.x, cap = split_capacity(), nl = __popc(live);
+  const long long per_slot = (long long)MK_NKV * cap * kGroup;  // partials of one slot
+  for (int j = tid; j < nl * MK_AO_GDP; j += MK_THREADS) {
+    const int r = j / MK_AO_GDP, i = j % MK_AO_GDP, b = __fns(live, 0, r + 1);
+    float acc = 0.f;
+    if (i < kGroup * MK_D) {
+      const int h = i / MK_D, d = i % MK_D, ns = num_splits(slot_pos(p, b, step) + 1, nl);
+      const long long k0 = b * per_slot + (long long)g * cap * kGroup + h;  // split s's statistics at k0 + s * kGroup
+      const float* o = p.attn_o + k0 * MK_D + d;                             // its output at o + s * kGroup * D
+      float M = -INFINITY, den = 0.f;
+      for (int s0 = 0; s0 < ns; s0 += 4) {
+        float m[4], l[4], v[4];
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          const bool on = s0 + t < ns;
+          const long long k = k0 + (long long)(s0 + t) * kGroup;
+          m[t] = on ? __ldcg(p.attn_m + k) : -INFINITY;
+          l[t] = on ? __ldcg(p.attn_l + k) : 0.f;
+          v[t] = on ? __ldcg(o + (long long)(s0 + t) * kGroup * MK_D) : 0.f;
+        }
+        const float Mn = fmaxf(fmaxf(fmaxf(M, m[0]), fmaxf(m[1], m[2])), m[3]);  // finite: split s0 is on
+        const float c = __expf(M - Mn);  // (0 on the first pass: M = -inf)
+        den *= c;
+        acc *= c;
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+          const float e = __expf(m[t] - Mn);  // (0 for a split past ns)
+          den += e * l[t];
+          acc += e * v[t];
+        }
+        M = Mn;
+      }
+      acc /= den;
+    }
+    ao_put(s_act, b, g, i, acc);
   }
   __syncthreads();
 }
@@ -185,7 +240,9 @@ MK_DEVICE void ao_stage(const MkParams& p, int step, unsigned live, unsigned tar
   for (int g = (int)(u0 / kPerGroup); g <= (int)((u1 - 1) / kPerGroup); g++) {
     if (threadIdx.x == 0) wait_reach(p.attn_cnt + g, target);
     __syncthreads();
-#if MK_BATCH > 1 && MK_AO_SLOTS
+#if MK_BATCH > 1 && MK_AO_SLOTS && MK_AO_ONEPASS
+    ao_combine_group_onepass(p, step, live, g, s_act);
+#elif MK_BATCH > 1 && MK_AO_SLOTS
     ao_combine_group_slots(p, step, live, g, s_act, s_w);  // (a finished slot's dots are skipped: nothing staged)
 #elif MK_AO_PRELOAD
     ao_combine_group_pre(p, num_splits(slot_pos(p, 0, step) + 1), g, s_act, s_w);

@@ -30,7 +30,8 @@ from replicas.layout_fused import pack_down_fused
 
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
-                      "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack", "pair_dn")  # layout options the single-sequence build does not take
+                      "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack", "pair_dn",
+                      "ao_onepass")  # layout options the single-sequence build does not take
 
 
 def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:
