@@ -35,7 +35,8 @@ SEGMENTS = [("qkv prologue", 0, 1), ("qkv matvec", 1, 2), ("qkv barrier", 2, 3),
             ("mlp barrier", 14, 15)]
 BARRIERS = [("qkv", 2, 3), ("o", 9, 10), ("mlp", 14, 15)]
 LM_SEGMENTS = [("lm prologue", 0, 1), ("lm matvec", 1, 2), ("lm barrier", 2, 3), ("sample+emit", 3, 4),
-               ("embed prologue", 4, 5)]
+               ("embed prologue", 4, 5), ("sample: bests reduced", 3, 6), ("sample: stop checks + emit", 6, 7),
+               ("sample: to the layers", 7, 4)]  # (marks 6, 7: batch builds only)
 
 
 def summarize(ts: np.ndarray, layers: int) -> dict:

@@ -240,6 +240,7 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
     const float* all_logits = p.tp_local + MK_TP_OFF_LOGITS;  // indexed by global id
 #elif MK_BATCH > 1
     reduce_best_slots(p, s_act, live, tok);
+    MK_TL_AT(tl_lm, 6);
 #else
     tok[0] = reduce_best(p, s_red, 0);
 #endif
@@ -300,6 +301,7 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
             if (((live >> b) & 1u) && status[b]) reinterpret_cast<volatile int*>(p.host_ctrl)[b * MK_CTRL_WORDS + MK_CTRL_DONE] = 1;
         }
       }
+      MK_TL_AT(tl_lm, 7);
 #pragma unroll
       for (int b = 0; b < kB; b++)
         if (status[b]) { live &= ~(1u << b); tok[b] = 0; }

@@ -63,8 +63,11 @@ def engine_options(config: ModelConfig, overrides: dict | None = None) -> dict:
 # Session 14: fx_pack (two slots per int64 accumulator word as 2^-16 fixed-point lanes: half the down's and O's atomics
 # and half the prologues' accumulator bytes) +1.5% / +2.2% at B = 4 of 4 on llama-3.2-1b (two calls), -1.2% / +1.5% at
 # B = 8; llama-3.1-8b +4.7% at B = 4, +7.4% at B = 8; batch gpu tests 14/14 (tiny, 1B) and 7/7 (8B), resident 10/10.
+# Session 16: ao_onepass (the O stage's split statistics and outputs in one L2 round trip, an online softmax per
+# thread) +1.2% / +1.2% at B = 4 of 4 on llama-3.2-1b (two calls), +2.0% at B = 2, +0.3% at B = 8, same greedy tokens;
+# llama-3.1-8b +1.9% at B = 4, +0.9% at B = 8; 8-slot batch gpu tests 14/14 and resident 10/10 with it.
 TUNED_BATCH = {"ao_slots": True, "mma_mlp": True, "mma_lm": True, "norm_once": True, "mma_qkv": True, "mma_o": True,
-               "fold_x": True, "fx_pack": True}
+               "fold_x": True, "fx_pack": True, "ao_onepass": True}
 TUNED_BATCH_CUDA_CORES = {"gu_il": True, "ao_slots": True}
 # Session 13: pair_norm (the blocks in clusters of two, each batch prologue's L2 reads split over the pair) pays
 # where the prologues read wide vectors: llama-3.1-8b (hidden 4,096) +3.3% / +3.8% at B = 4 (two calls), +14.1% at

@@ -57,7 +57,7 @@ def test_ao_onepass_is_refused_where_it_cannot_run():
     for bad in ({"batch": 1}, {"batch": 4}):  # (the single-sequence build; a batch build without ao_slots)
         with pytest.raises(LayoutError, match="ao_onepass .*needs batch > 1 and ao_slots"):
             KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**bad, "ao_onepass": True}))
-    lay = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 4, "ao_onepass": True}))
-    assert "-DMK_AO_ONEPASS=1" in lay.compile_flags()
-    plain = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 4}))
+    lay = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 4}))
+    assert TUNED_BATCH["ao_onepass"] and "-DMK_AO_ONEPASS=1" in lay.compile_flags()  # (a batch default, session 16)
+    plain = KernelLayout.from_config(cfg, 2048, **engine_options(cfg, {**TUNED_BATCH, "batch": 4, "ao_onepass": False}))
     assert not any("ONEPASS" in f for f in plain.compile_flags())
