@@ -84,13 +84,55 @@ MK_DEVICE void block_best_slots(const MkParams& p, float* s_act, const WeightStr
 }
 #endif
 
+#ifndef MK_BEST_MAX
+#define MK_BEST_MAX 0  // layout option best_max (batch builds; flag emitted only when on)
+#endif
+#if MK_BEST_MAX
+static_assert(MK_BATCH > 1 && !MK_BLOCK_BEST, "best_max: batch builds, instead of block_best");
+// best_max: each warp's best (value, id) of a slot as one 64-bit key that orders as argmax_merge does (a larger
+// value first, then the lower id), so the warps merge with one atomicMax per slot at the LM phase's end and every
+// block reads each slot's answer in one load after the barrier, instead of reducing all warps' bests itself (6.85 us
+// per B = 4 step in the timeline: ~67 KB per block in three dependent load rounds). The float's bits map to an
+// unsigned order (negatives complemented); the one difference from argmax_merge: +0.0 beats -0.0 (equal as floats).
+MK_DEVICE unsigned long long best_key(float v, int i) {
+  const unsigned u = __float_as_uint(v);
+  const unsigned ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((unsigned long long)ord << 32) | (unsigned)(0x7fffffff - i);  // (-inf's key > 0, the reset value)
+}
+// Step `step`'s keys, one per slot, in the first words of best_val (unused otherwise in these builds): two sets by
+// step parity. Set (step + 1) & 1 was last read in step - 1's sampling, which every block finished before the LM
+// barrier of `step`; block 0 clears it after that barrier (best_keys_clear), long before step + 1's LM phase. The
+// host zeroes both sets before each launch (BatchGpuModel.launch_slots).
+MK_DEVICE unsigned long long* best_keys(const MkParams& p, int step) {
+  return reinterpret_cast<unsigned long long*>(p.best_val) + (step & 1) * kB;
+}
+MK_DEVICE void best_keys_put(const MkParams& p, int step, unsigned live, const float* best, const int* best_i) {
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+    if ((live >> b) & 1u) atomicMax(best_keys(p, step) + b, best_key(best[b], best_i[b]));
+}
+MK_DEVICE void best_keys_clear(const MkParams& p, int step) {
+  if (blockIdx.x == 0 && threadIdx.x < kB) best_keys(p, step + 1)[threadIdx.x] = 0ull;
+}
+#endif
+
 #if MK_BATCH > 1
 // Every block: reduce_best for every live slot at once (tok[b]; 0 for a slot not live). All slots' loads are in
 // flight together and one block exchange serves the batch (the timeline probe measured sample + emit at 14.3 us
 // per B = 4 step against 2.4 at B = 1: one dependent L2 round trip and three __syncthreads per slot). Same
 // tokens as reduce_best: argmax_merge is a total order (ties: the lowest id), so the merge order does not matter.
 // Scratch: s_act (free between the LM phase and the next prologue).
-MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok) {
+MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok, int step) {
+#if MK_BEST_MAX
+  (void)s_act;
+  const unsigned long long* keys = best_keys(p, step);
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+    tok[b] = ((live >> b) & 1u) ? 0x7fffffff - (int)(unsigned)__ldcg(keys + b) : 0;
+  best_keys_clear(p, step);
+  return;
+#endif
+  (void)step;
   const int nw = MK_BLOCK_BEST ? (int)gridDim.x : (int)gridDim.x * kStreamWarps;  // (block_best: one per block)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[kB]; int i[kB];

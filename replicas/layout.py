@@ -74,7 +74,7 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 
 # Layout options that only switch a code path on: (field, the -D flag set to 1 when on; emitted only then, so builds
 # without them keep their flags and cubins)
-SWITCH_FLAGS = (("fx_pack", "MK_FX_PACK"), ("pair_norm", "MK_PAIR_NORM"), ("pair_dn", "MK_PAIR_DN"), ("ao_onepass", "MK_AO_ONEPASS"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
+SWITCH_FLAGS = (("fx_pack", "MK_FX_PACK"), ("pair_norm", "MK_PAIR_NORM"), ("pair_dn", "MK_PAIR_DN"), ("ao_onepass", "MK_AO_ONEPASS"), ("best_max", "MK_BEST_MAX"), ("fold_x", "MK_FOLD_X"), ("block_best", "MK_BLOCK_BEST"), ("half_vec", "MK_HALF_VEC"), ("mma_o", "MK_MMA_O"), ("mma_mlp", "MK_MMA_MLP"), ("mma_qkv", "MK_MMA_QKV"), ("mma_lm", "MK_MMA_LM"),
                 ("param_value", "MK_PARAM_VALUE"), ("div32", "MK_DIV32"), ("gu_il", "MK_GU_IL"),
                 ("o_align", "MK_O_ALIGN"), ("zero_spread", "MK_ZERO_SPREAD"))
 
@@ -166,6 +166,7 @@ class KernelLayout:
     fx_pack: bool = False  # fold_x builds: two slots per int64 accumulator word (half the atomics and prologue bytes)
     pair_dn: bool = False  # mma_mlp builds in clusters of 2: each block downs half the rows of the pair's h (half the atomics)
     ao_onepass: bool = False  # ao_slots builds: the O stage's split statistics and outputs in one L2 round trip
+    best_max: bool = False  # batch builds: the LM head's warp bests merged by one 64-bit atomicMax per slot
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -184,7 +185,8 @@ class KernelLayout:
                     norm_once: bool = False, mma_lm: bool = False, mma_qkv: bool = False,
                     mma_o: bool = False, half_vec: bool = False, block_best: bool = False,
                     fold_x: bool = False, pair_norm: bool = False, fx_pack: bool = False,
-                    pair_dn: bool = False, ao_onepass: bool = False) -> KernelLayout:
+                    pair_dn: bool = False, ao_onepass: bool = False,
+                    best_max: bool = False) -> KernelLayout:
         """`config`: the model, or with tp > 1 this GPU's shard (replicas.tp_shard.shard_config)
         and `vocab_total` the full vocabulary."""
         if config.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -213,7 +215,7 @@ class KernelLayout:
                    norm_once=bool(norm_once), mma_lm=bool(mma_lm), mma_qkv=bool(mma_qkv),
                    mma_o=bool(mma_o), half_vec=bool(half_vec), block_best=bool(block_best),
                    fold_x=bool(fold_x), pair_norm=bool(pair_norm), fx_pack=bool(fx_pack), pair_dn=bool(pair_dn),
-                   ao_onepass=bool(ao_onepass))
+                   ao_onepass=bool(ao_onepass), best_max=bool(best_max))
         if not 1 <= split_pos <= 4096:
             raise LayoutError(f"split_pos={split_pos}: KV positions per attention split must be 1..4096")
         if batch_error := base._batch_error():

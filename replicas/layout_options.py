@@ -8,7 +8,7 @@ from replicas import layout_attn_o, layout_fused
 
 def option_error(lay) -> str | None:
     """What is wrong with `lay`'s gu_il / o_align / zero_spread / ao_preload / dn_passes / half_vec / block_best /
-    fold_x / fx_pack / pair_norm / pair_dn / ao_onepass / resident / act_bf16, or None."""
+    fold_x / fx_pack / pair_norm / pair_dn / ao_onepass / best_max / resident / act_bf16, or None."""
     if lay.gu_il and lay.tp > 1:
         return "gu_il needs tp=1: the tensor-parallel prefill reads the plain gate/up rows"
     if lay.gu_il and lay.mma:
@@ -44,6 +44,9 @@ def option_error(lay) -> str | None:
     if lay.ao_onepass and not (lay.batch > 1 and lay.ao_slots):
         return ("ao_onepass changes the batch O stage of ao_slots (every slot staged in one pass): it needs batch > 1 "
                 "and ao_slots (a batch default)")
+    if lay.best_max and not (lay.batch > 1 and not lay.block_best):
+        return ("best_max merges a batch build's LM-head bests with atomics (instead of block_best's per-block merge): "
+                "it needs batch > 1 and not block_best")
     if lay.fx_pack and not (lay.batch > 1 and lay.fold_x and lay.mma_mlp and lay.mma_o):
         return ("fx_pack packs two slots into each word of a batch build's folded accumulators, written by the "
                 "tensor-core down and O: it needs batch > 1, fold_x, mma_mlp and mma_o (the batch defaults)")

@@ -31,7 +31,7 @@ from replicas.layout_fused import pack_down_fused
 
 BATCH_ONLY_OPTIONS = ("batch", "ao_slots", "resident", "act_bf16", "mma_mlp", "norm_once", "mma_lm", "mma_qkv", "mma_o",
                       "half_vec", "block_best", "fold_x", "pair_norm", "fx_pack", "pair_dn",
-                      "ao_onepass")  # layout options the single-sequence build does not take
+                      "ao_onepass", "best_max")  # layout options the single-sequence build does not take
 
 
 def fresh_slot(xp, lay, work, b_n: int, b: int, x_last, fx_turn0: int, hidden: int) -> None:
@@ -319,6 +319,7 @@ class BatchGpuModel(GpuModel):
                 self.slot_ctrl(b)[L.CTRL_DONE] = 0  # (a new request's words were zeroed when it was admitted)
             self.slot_table[:table.size].set(table.reshape(-1), stream=self.stream)
             self.attn_cnt[:] = 0
+            w["best_val"][:] = 0  # (best_max: the per-step argmax keys start from 0)
             self.qkv_done[:] = 0
             self.control[:] = 0
             self.cancel[:] = 0
@@ -356,6 +357,7 @@ class BatchGpuModel(GpuModel):
             w["xbuf"][:self.config.hidden_size] = x_last
             w["dn_part"][:] = 0
             self.attn_cnt[:] = 0
+            w["best_val"][:] = 0  # (best_max: the per-step argmax keys start from 0)
             self.qkv_done[:] = 0
             self.single_control[:] = 0
             self._exit = None

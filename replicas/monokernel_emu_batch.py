@@ -150,7 +150,7 @@ class EmuBatchGpu:
                 fresh_slot(np, lay, self.work, b_n, b, fresh[b], fx_turn0, self.config.hidden_size)
             self.slot_ctrl(b)[L.CTRL_DONE] = 0
         self.slot_table[:] = table.reshape(-1)
-        for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl):
+        for a in (self.attn_cnt, self.qkv_done, self.control, self.cancel, self.kctl, self.host_kctl, self.work["best_val"]):
             a[:] = 0
         self.admissions.reset()
         teacher = logits is not None  # [steps, B, V]: every slot forced (BatchedMonokernelEngine.forward_logits_slots)

@@ -69,7 +69,10 @@ def test_fused_builds_give_the_unused_staging_to_the_weight_ring():
                                         ({"dn_passes": 2, "fused_mlp": True, "fused_attn_o": True, "batch": 4}, "dn_passes=2: .* batch=1"),
                                         ({"ao_preload": True}, "ao_preload .* needs fused_attn_o and batch=1"),
                                         ({"ao_preload": True, "fused_mlp": True, "fused_attn_o": True, "batch": 2},
-                                         "ao_preload .* batch=1")])
+                                         "ao_preload .* batch=1"),
+                                        ({"best_max": True}, "best_max .* needs batch > 1 and not block_best"),
+                                        ({"best_max": True, "block_best": True, "batch": 4, "fused_mlp": True, "fused_attn_o": True},
+                                         "best_max .* not block_best")])
 def test_bad_tuning_values_are_refused(bad, match):
     with pytest.raises(LayoutError, match=match):
         KernelLayout.from_config(preset_config("tiny"), 64, **bad)

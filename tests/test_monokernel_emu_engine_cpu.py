@@ -148,9 +148,12 @@ def test_sampling_stop_and_cancel_in_the_kernel(emu, tiny_checkpoint):
     assert same_greedy(gpu, one, other_p, list(other), one.generate_greedy(other_p, 20))
 
 
-def test_block_best_picks_the_same_tokens(tiny_checkpoint):
-    """Layout option block_best merges the LM head's warp bests per block before the grid-wide choice: the same
-    greedy and seeded tokens as the batch defaults, bit for bit, for requests decoding together in a batch launch."""
+@pytest.mark.parametrize("option", ["block_best", "best_max"])
+def test_other_argmax_merges_pick_the_same_tokens(tiny_checkpoint, option):
+    """Layout option block_best merges the LM head's warp bests per block before the grid-wide choice; best_max
+    merges them as 64-bit keys with one atomicMax per warp and slot (two key sets by step parity, cleared by block 0
+    and by the host before each launch: several launches here, joins included). Both: the same greedy and seeded
+    tokens as the batch defaults, bit for bit, for requests decoding together in a batch launch."""
     from replicas.engine import SamplingParams
     from replicas.model import ModelConfig
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -164,9 +167,10 @@ def test_block_best_picks_the_same_tokens(tiny_checkpoint):
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (16, 11, 13)]
     qs = [greedy(30), greedy(12), SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)]
     outs = []
-    for extra in ({}, {"block_best": True}):
+    for extra in ({}, {option: True}):
         gpu = EmuBatchGpu(cfg, tensors, 4, layout_options={**TUNED_BATCH, **extra})
-        assert gpu.layout.block_best == bool(extra)
+        assert getattr(gpu.layout, option) == bool(extra)
+        gpu.work["best_val"].view(np.uint32)[:] = 0xFFFFFFFF  # stale memory: the largest key (each launch clears it)
         eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np))
         try:
             first = eng.generate(prompts[0], qs[0])

@@ -186,6 +186,8 @@ template <class T>
 inline T __ldcg(const T* p) { return *p; }
 template <class T>
 inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
+template <class T>
+inline T atomicMax(T* p, T v) { T old = *p; if (v > old) *p = v; return old; }
 
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
