@@ -101,6 +101,7 @@ def test_batched_engines_default_to_the_tensor_core_set_where_shapes_allow():
     assert batch_options(c, {"gu_il": True}) == {**TUNED_BATCH_CUDA_CORES, "gu_il": True}  # asked for: CUDA cores
     assert batch_options(c, {"mma_mlp": False}) == {**TUNED_BATCH_CUDA_CORES, "mma_mlp": False}
     assert batch_options(c, {"mma": True}) == {"mma": True}
+    assert "best_max" not in batch_options(c, {"block_best": True})  # (one merge of the LM head's bests or the other)
     assert batch_options(c, {"norm_once": False}) == {**paired, "norm_once": False}  # explicit choices win
     # turning off what mma_qkv / mma_o build on leaves them out instead of refusing the layout
     for off, dropped in (({"qkv_flags": True}, {"mma_qkv", "mma_o", "fx_pack"}), ({"o_align": False}, {"mma_o", "fx_pack"}),

@@ -167,8 +167,8 @@ def test_other_argmax_merges_pick_the_same_tokens(tiny_checkpoint, option):
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (16, 11, 13)]
     qs = [greedy(30), greedy(12), SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)]
     outs = []
-    for extra in ({}, {option: True}):
-        gpu = EmuBatchGpu(cfg, tensors, 4, layout_options={**TUNED_BATCH, **extra})
+    for extra in ({}, {option: True}):  # (against the defaults without best_max, a default since session 16)
+        gpu = EmuBatchGpu(cfg, tensors, 4, layout_options={**TUNED_BATCH, "best_max": False, **extra})
         assert getattr(gpu.layout, option) == bool(extra)
         gpu.work["best_val"].view(np.uint32)[:] = 0xFFFFFFFF  # stale memory: the largest key (each launch clears it)
         eng = BatchedMonokernelEngine.around(cfg, gpu, lambda view: Prefill(view, np))
