@@ -101,7 +101,7 @@ MK_DEVICE unsigned long long best_key(float v, int i) {
 }
 // Step `step`'s keys, one per slot, in the first words of best_val (unused otherwise in these builds): two sets by
 // step parity. Set (step + 1) & 1 was last read in step - 1's sampling, which every block finished before the LM
-// barrier of `step`; block 0 clears it after that barrier (best_keys_clear), long before step + 1's LM phase. The
+// barrier of `step`; block 0 clears it after that barrier (best_keys_take), long before step + 1's LM phase. The
 // host zeroes both sets before each launch (BatchGpuModel.launch_slots).
 MK_DEVICE unsigned long long* best_keys(const MkParams& p, int step) {
   return reinterpret_cast<unsigned long long*>(p.best_val) + (step & 1) * kB;
@@ -111,7 +111,13 @@ MK_DEVICE void best_keys_put(const MkParams& p, int step, unsigned live, const f
   for (int b = 0; b < kB; b++)
     if ((live >> b) & 1u) atomicMax(best_keys(p, step) + b, best_key(best[b], best_i[b]));
 }
-MK_DEVICE void best_keys_clear(const MkParams& p, int step) {
+// Every block, after the LM barrier: each live slot's token from its key (0 for a slot not live), as
+// reduce_best_slots gives it; block 0 then clears the next step's keys.
+MK_DEVICE void best_keys_take(const MkParams& p, int step, unsigned live, int* tok) {
+  const unsigned long long* keys = best_keys(p, step);
+#pragma unroll
+  for (int b = 0; b < kB; b++)
+    tok[b] = ((live >> b) & 1u) ? 0x7fffffff - (int)(unsigned)__ldcg(keys + b) : 0;
   if (blockIdx.x == 0 && threadIdx.x < kB) best_keys(p, step + 1)[threadIdx.x] = 0ull;
 }
 #endif
@@ -122,17 +128,7 @@ MK_DEVICE void best_keys_clear(const MkParams& p, int step) {
 // per B = 4 step against 2.4 at B = 1: one dependent L2 round trip and three __syncthreads per slot). Same
 // tokens as reduce_best: argmax_merge is a total order (ties: the lowest id), so the merge order does not matter.
 // Scratch: s_act (free between the LM phase and the next prologue).
-MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok, int step) {
-#if MK_BEST_MAX
-  (void)s_act;
-  const unsigned long long* keys = best_keys(p, step);
-#pragma unroll
-  for (int b = 0; b < kB; b++)
-    tok[b] = ((live >> b) & 1u) ? 0x7fffffff - (int)(unsigned)__ldcg(keys + b) : 0;
-  best_keys_clear(p, step);
-  return;
-#endif
-  (void)step;
+MK_DEVICE void reduce_best_slots(const MkParams& p, float* s_act, unsigned live, int* tok) {
   const int nw = MK_BLOCK_BEST ? (int)gridDim.x : (int)gridDim.x * kStreamWarps;  // (block_best: one per block)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float v[kB]; int i[kB];

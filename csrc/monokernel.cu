@@ -246,7 +246,11 @@ extern "C" __global__ void MK_CLUSTER_DIMS __launch_bounds__(MK_THREADS, 1) mono
     int cancel_flag[kB];
 #pragma unroll
     for (int b = 0; b < kB; b++) cancel_flag[b] = __ldcg(p.cancel_step + b);
-    reduce_best_slots(p, s_act, live, tok, step);
+#if MK_BEST_MAX
+    best_keys_take(p, step, live, tok);
+#else
+    reduce_best_slots(p, s_act, live, tok);
+#endif
     MK_TL_AT(tl_lm, 6);
 #else
     tok[0] = reduce_best(p, s_red, 0);
