@@ -5,8 +5,8 @@
 B - 1 requests decode in a resident launch of the B build (random bf16 weights); then --joins requests of a
 32-token prompt join one after another, each a different fraction of a step after the last one ended (as
 bench/batch.py's join_cost does). Each join's handover steps are stamped on the host, relative to its submit:
-the scheduler picks it (Joiner.start), its prefill (synchronized), prepare_join, the admission words published,
-the kernel's acknowledgement seen by the scheduler, the first token at the caller. Also where in the running
+the scheduler picks it (Joiner.start), its row staged, its prefill (synchronized), the hidden state handed over,
+the admission words published, the kernel's acknowledgement seen by the scheduler, the first token at the caller. Also where in the running
 launch's step the publication landed (since the running slots' last token, in steps) and the same request's
 stamps on an idle engine (its launch, first token). Prints one JSON line per join and a summary.
 """
@@ -88,7 +88,8 @@ def probe(eng, vocab_size: int, batch: int, n_joins: int, n_new: int, sync=None)
     st = Stamps()
     for p in eng._prefill:
         st.wrap(p, "run", "prefill", sync=sync)
-    st.wrap(eng.gpu, "prepare_join", "prepare_join")
+    st.wrap(eng.gpu, "stage_join", "stage_join")
+    st.wrap(eng.gpu, "hand_over", "hand_over")
     st.wrap(eng.gpu, "launch_single", "launch_single")
     st.wrap(eng.gpu, "launch_slots", "launch_slots")
     st.wrap(eng.gpu.admissions, "publish", "publish")

@@ -42,6 +42,7 @@ from replicas.engine import (
     validate_prompt,
     validate_teacher_ids,
 )
+from replicas.host_poll import poll_sleep
 from replicas.model import ModelConfig
 from replicas.monokernel_gpu import GpuModel, MonokernelUnavailable  # noqa: F401 (re-exported)
 from replicas.reference import _GenerationInfo
@@ -53,7 +54,6 @@ from replicas.session_cache import (
     SessionStats,
 )
 
-POLL_SECONDS = 20e-6  # host poll interval for new tokens (a decode step is ~0.6-4 ms)
 CHECK_SECONDS = 0.05  # while no token comes: how often to ask whether the kernel died (GpuModel.check)
 TEACHER_PREFILL = 16  # forward_logits prefills this many tokens; the kernel decodes the rest
 _STATUS = {L.STATUS_LENGTH: FinishReason.LENGTH, L.STATUS_STOP: FinishReason.STOP,
@@ -281,7 +281,7 @@ class MonokernelEngine:
                             self.failed = str(e)
                             raise
                         checked = time.perf_counter()
-                    time.sleep(POLL_SECONDS)
+                    poll_sleep()
             if int(ctrl[L.CTRL_STATUS]) == L.STATUS_PEER_TIMEOUT:  # the kernel trapped: do not wait for it
                 launched = False
                 self.failed = ("a tensor-parallel peer GPU stopped answering inside the kernel (waited more than "

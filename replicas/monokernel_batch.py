@@ -334,18 +334,28 @@ class BatchGpuModel(GpuModel):
         return b_n
 
     def prepare_join(self, b: int, s: SlotSpec, x_last) -> None:
-        """Slot b's table row, stop ids and hidden state for a running resident launch to admit (on the
-        prefill stream, which the caller has used for the slot's prefill; returns once they are written).
-        The caller then publishes the slot (`admissions.publish`)."""
-        cp, hp = self.cp, self.layout.hp
+        """Slot b's table row, stop ids and hidden state for a running resident launch to admit; returns once
+        they are written. The caller then publishes the slot (`admissions.publish`)."""
+        self.stage_join(b, s)
+        self.hand_over(b, x_last)
+
+    def stage_join(self, b: int, s: SlotSpec) -> None:
+        """The first half of prepare_join, which needs no prefill: slot b's row (active = 0: only the admission
+        starts it) and stop ids, queued on the prefill stream (a joiner's prefill runs after them, on that stream)."""
+        cp = self.cp
         row = np.array(slot_row(s, active=False), np.uint64)
         with cp.cuda.Device(self.device), self.prefill_stream:
             self._write_stops(b, s.stop_ids)
-            self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
             self.slot_table[b * len(row):(b + 1) * len(row)].set(row, stream=self.prefill_stream)
+        self.slot_ctrl(b)[:] = 0
+
+    def hand_over(self, b: int, x_last) -> None:
+        """The second half: slot b's hidden state [H] into admit_x, then the prefill stream drained (the row,
+        stops, prefill and this copy are all on the GPU before the slot is published)."""
+        cp, hp = self.cp, self.layout.hp
+        with cp.cuda.Device(self.device), self.prefill_stream:
+            self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
             self.prefill_stream.synchronize()
-        ctrl = self.slot_ctrl(b)
-        ctrl[:] = 0
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the

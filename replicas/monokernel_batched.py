@@ -41,7 +41,8 @@ import numpy as np
 from replicas import layout as L
 from replicas.engine import EngineBusy, EngineFailed, FinishReason, Generation, SamplingParams
 from replicas.model import ModelConfig
-from replicas.monokernel import _STATUS, POLL_SECONDS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
+from replicas.host_poll import poll_sleep
+from replicas.monokernel import _STATUS, TEACHER_PREFILL, check_request, sampling_mode, sampling_seed
 from replicas.monokernel_batch import BatchGpuModel, SlotSpec
 from replicas.monokernel_batched_sessions import SlotSessions
 from replicas.monokernel_batched_teacher import teacher_forced_slots
@@ -355,7 +356,7 @@ class BatchedMonokernelEngine(ResidentJoins):
                                                                or (not single and self._lone_left())))):
                 gpu.request_yield()  # admit the newcomer, go to the single build, or hand the GPU back
                 yielded = True
-            time.sleep(POLL_SECONDS)
+            poll_sleep()
         gpu.synchronize()
         self._resident_launch = False
         unjoined = self._end_joins() if resident else {}
@@ -374,9 +375,11 @@ class BatchedMonokernelEngine(ResidentJoins):
         return len(left) == 1 and left[0].spec.max_steps - left[0].sent > SWITCH_MIN_TOKENS
 
     def _drain(self, final: bool) -> None:
-        """Send each slot's new tokens, forward cancels, free finished slots."""
+        """Send each slot's new tokens, forward cancels, free finished slots. Slots that have sent nothing yet
+        go first: their first token is a request's TTFT, and each token put wakes its caller's thread."""
         gpu, ends = self.gpu, []
-        for b, r in enumerate(self._slots):
+        for b in sorted(range(len(self._slots)), key=lambda b: self._slots[b] is None or self._slots[b].sent > 0):
+            r = self._slots[b]
             if r is None:
                 continue
             ctrl = gpu.slot_ctrl(b)

@@ -161,12 +161,20 @@ class EmuBatchGpu:
 
     def prepare_join(self, b: int, s: SlotSpec, x_last) -> None:
         """BatchGpuModel.prepare_join: slot b's row, stop ids and hidden state for the running launch."""
-        hp = self.layout.hp
+        self.stage_join(b, s)
+        self.hand_over(b, x_last)
+
+    def stage_join(self, b: int, s: SlotSpec) -> None:
+        """BatchGpuModel.stage_join: slot b's row (active = 0) and stop ids."""
         self._stops(b, s.stop_ids)
-        self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
         n = len(L.SLOT_FIELDS)
         self.slot_table[b * n:(b + 1) * n] = slot_row(s, active=False)
         self.slot_ctrl(b)[:] = 0
+
+    def hand_over(self, b: int, x_last) -> None:
+        """BatchGpuModel.hand_over: slot b's hidden state into admit_x."""
+        hp = self.layout.hp
+        self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """BatchGpuModel.launch_single: the B = 1 build on slot b's KV, tokens and host words."""

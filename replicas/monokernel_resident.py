@@ -124,9 +124,10 @@ class Joiner:
 
         def run():
             gpu = self.gpu
+            gpu.stage_join(b, spec)  # (queued ahead of the prefill: only the hidden state waits for it)
             with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
                 x_last, _ = self.prefills[b].run(ids, start=start)
-            gpu.prepare_join(b, spec, x_last)
+            gpu.hand_over(b, x_last)
             self.x[b] = x_last
             gpu.admissions.publish(1 << b)
 

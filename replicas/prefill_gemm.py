@@ -7,7 +7,8 @@ blocks with mma.sync, ldmatrix and cp.async only, and at most 36 KB of dynamic s
 
     g = MmaGemm(cp)
     g.gemm(a, b, out, trans_b=True, alpha=0.125)  # out[z] = alpha * a[z] @ b[z]^T
-    y = g.linear(x_bits, w, k)                    # x [T, K] . w[:, :k]^T -> fp32 [T, N]
+    y = g.linear(x_bits, w, k)                    # x [T, K] . w[:, :k]^T -> fp32 [T, N] (split along K
+                                                  # when its grid is small: k_splits)
 
 bf16 operands travel as uint16 bit patterns. `plan_gemm` (checks and launch arguments) needs no GPU,
 so CI can test it with numpy arrays; CuPy is only ever the `cp` handed to MmaGemm.
@@ -40,9 +41,35 @@ def smem_bytes(mi: int) -> int:
     return stages * (32 * mi * BK * 2 + BN * BK * 2)
 
 
+# A linear whose grid has fewer blocks than this is split along K (the splits are batch entries of one
+# launch, summed after): beside a resident kernel the 16 free SMs get a share of HBM in proportion to the
+# bytes they keep in flight, and a grid of 32 blocks (down, o at T <= 32 on 1B) kept a quarter of what 128 do.
+SPLIT_K_BLOCKS = 128
+
+
 def pick_mi(m: int) -> int:
     """Block tile rows: the smallest of 32 / 64 / 128 that covers M (128 beyond: fewer B re-reads)."""
     return 1 if m <= 32 else 2 if m <= 64 else 4
+
+
+def k_splits(m: int, n: int, k: int, target_blocks: int = SPLIT_K_BLOCKS) -> int:
+    """Parts to split K of an [M, K] . [N, K]^T product into (a power of two, 1: none): doubled while the
+    grid stays within target_blocks and every part is a whole number of k steps (so 16-byte aligned)."""
+    blocks = -(-m // (32 * pick_mi(m))) * -(-n // BN)
+    s = 1
+    while blocks * 2 * s <= target_blocks and k % (2 * s * BK) == 0:
+        s *= 2
+    return s
+
+
+def split_views(xp, x_bits, w, k: int, splits: int):
+    """x_bits [T, k] and w [N, >= k] as [splits, T, k / splits] and [splits, N, k / splits] views (batch
+    entry z: the z-th part of K); xp is numpy or cupy."""
+    ks = k // splits
+    t, n = int(x_bits.shape[0]), int(w.shape[0])
+    a = xp.lib.stride_tricks.as_strided(x_bits, shape=(splits, t, ks), strides=(2 * ks, x_bits.strides[0], 2))
+    b = xp.lib.stride_tricks.as_strided(w, shape=(splits, n, ks), strides=(2 * ks, w.strides[0], 2))
+    return a, b
 
 
 @dataclass(frozen=True)
@@ -171,9 +198,16 @@ class MmaGemm:
         if int(x_bits.shape[1]) != int(k) or int(w.shape[1]) < int(k):
             raise ValueError(f"x_bits has {x_bits.shape[1]} columns and w {w.shape[1]}; need x_bits [T, {k}] "
                              f"and w [N, >= {k}]")
-        out = self.cp.empty((int(x_bits.shape[0]), int(w.shape[0])), self.cp.float32)
-        self.gemm(x_bits[None], w[None, :, :k], out[None], trans_b=True)
-        return out
+        t, n = int(x_bits.shape[0]), int(w.shape[0])
+        splits = k_splits(t, n, k) if x_bits.strides[1] == 2 and w.strides[1] == 2 else 1
+        if splits == 1:
+            out = self.cp.empty((t, n), self.cp.float32)
+            self.gemm(x_bits[None], w[None, :, :k], out[None], trans_b=True)
+            return out
+        parts = self.cp.empty((splits, t, n), self.cp.float32)  # [split, T, N]
+        a, b = split_views(self.cp, x_bits, w, k, splits)
+        self.gemm(a, b, parts, trans_b=True)
+        return parts.sum(axis=0)  # (a fixed order per element: deterministic)
 
     def warm(self) -> None:
         """Launch every kernel once on tiny operands (and wait): a kernel's first launch loads it, and

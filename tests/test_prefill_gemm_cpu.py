@@ -323,3 +323,34 @@ def test_plans_pick_tiles_paths_and_grid():
     assert pg.plan_gemm(bits(1, 0, 8), bits(1, 3, 8), out32(1, 0, 3), trans_b=True) is None
     assert pg.plan_gemm(bits(1, 4, 0), bits(1, 3, 0), out32(1, 4, 3), trans_b=True) is None
     assert len(set(pg.KERNELS)) == 24 and all(pg.smem_bytes(mi) <= 48 * 1024 for mi in pg.MIS)
+
+
+def test_small_grids_split_k_into_batch_entries():
+    """k_splits on llama-3.2-1b's linears at a 32-row join (down and o: 32 blocks -> 4 parts, qkv: 48 -> 2,
+    gate/up: 256 -> none), a 300-row prefill (already wide), and a K that is not a whole number of k steps."""
+    assert pg.k_splits(32, 2048, 8192) == 4
+    assert pg.k_splits(32, 2048, 2048) == 4
+    assert pg.k_splits(32, 3072, 2048) == 2
+    assert pg.k_splits(32, 16384, 2048) == 1
+    assert pg.k_splits(300, 2048, 8192) == 1
+    assert pg.k_splits(1, 2048, 45) == 1 and pg.k_splits(1, 2048, 96) == 1  # 96 = 3 k steps: no even split
+    assert pg.k_splits(16, 4096, 14336) == 2  # llama-3.1-8b's down: 64 blocks
+
+
+def test_emulated_split_k_linear_matches_float64(emu):
+    """MmaGemm.linear's split path on the emulated kernel: the K parts as batch entries of padded weight rows
+    (ldw = k + 8, 16-byte loads), summed after; within the same bound as one pass over K."""
+    rng = np.random.default_rng(11)
+    t, n, k = 5, 72, 256
+    w = rand_bits(rng, (n, k + 8))
+    x = rand_bits(rng, (t, k))
+    splits = pg.k_splits(t, n, k, target_blocks=8)
+    assert splits == 4
+    a, b = pg.split_views(np, x, w, k, splits)
+    parts = np.full((splits, t, n), np.nan, np.float32)
+    p = emu_gemm(emu, a, b, parts, trans_b=True)
+    assert (p.vec_a, p.vec_b, p.sa, p.sb, p.blocks) == (True, True, k // splits, k // splits, splits * 2)
+    ks = k // splits
+    for z in range(splits):  # each batch entry is its own slice of K
+        check(parts[z], as_f64(x[:, z * ks:(z + 1) * ks]) @ as_f64(w[:, z * ks:(z + 1) * ks]).T, ks)
+    check(parts.sum(axis=0), as_f64(x) @ as_f64(w[:, :k]).T, k)

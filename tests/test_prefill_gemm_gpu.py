@@ -101,6 +101,21 @@ def test_results_are_deterministic(cp, gemm):
     assert rel_err(cp.asnumpy(a), ref) <= tol(8192)
 
 
+@pytest.mark.parametrize("t,n,k", [(1, 2048, 8192), (32, 2048, 2048), (16, 3072, 2048)])
+def test_split_k_linear_matches_float64(cp, gemm, t, n, k):
+    """Join-sized linears whose grid is split along K (down, o, qkv of llama-3.2-1b), weight rows padded."""
+    from replicas.prefill_gemm import k_splits
+
+    assert k_splits(t, n, k) > 1
+    rng = np.random.default_rng(t + n + k)
+    w = rand_bits(rng, (n, k + 8))
+    x = rand_bits(rng, (t, k))
+    y = gemm.linear(cp.asarray(x), cp.asarray(w)[:, :k + 8], k)
+    assert y.shape == (t, n) and y.dtype == cp.float32
+    err = rel_err(cp.asnumpy(y), as_f64(x) @ as_f64(w[:, :k]).T)
+    assert err <= tol(k), f"{err:.3g} > {tol(k):.3g}"
+
+
 def test_runs_beside_a_kernel_holding_all_but_16_sms(cp, gemm):
     from replicas.concurrency_check import runs_beside
 
