@@ -123,12 +123,17 @@ def test_a_sessions_turns_join_the_running_launch_and_turn_two_equals_a_fresh_re
     # up to max_join_tokens to prefill: turn 1 fits it; turn 2 prefills only its 40 new tokens either way
     n1 = min(300, (res._joiner.max_join_tokens or 300) - 8)
     prompt = rng.integers(0, vocab, n1).tolist()
+    t0 = time.perf_counter()
     g1 = res.generate(prompt, greedy(16), session_id="agent")
     out1 = list(g1)
+    t1 = time.perf_counter()
     turn2 = prompt + out1 + rng.integers(0, vocab, 40).tolist()
     g2 = res.generate(turn2, greedy(16), session_id="agent")
     out2 = list(g2)
-    assert (res.launches, res.resident_joins) == (launches, joins + 2)
+    t2 = time.perf_counter()
+    assert (res.launches, res.resident_joins) == (launches, joins + 2), (
+        f"single launches {res.single_launches}; turns took {t1 - t0:.3f} / {t2 - t1:.3f} s; join latencies (s) "
+        f"{[round(v, 4) for v in list(res.join_latencies)[-3:]]}")
     assert g2.reused_tokens == len(prompt) + len(out1) - 1
     assert_tokens(res, one, prompt, out1, list(one.generate(prompt, greedy(16))))
     # turn 2's first rows come from the kernel's own K/V, a fresh prefill's from cuBLAS: bf16-level apart
