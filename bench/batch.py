@@ -52,8 +52,28 @@ def rates(res: list[dict]) -> tuple[float, float]:
     return statistics.median(per), sum(per)
 
 
+class _GpuSeconds:
+    """A prefill the resident engine's scheduler queued without waiting for it (Joiner.start's captured-graph
+    path): its GPU time between two events, read when first used as a number (by then it has run)."""
+
+    def __init__(self, cp):
+        self.begin, self.end = cp.cuda.Event(), cp.cuda.Event()
+        self.begin.record()
+        self._cp = cp
+
+    def __float__(self) -> float:
+        self.end.synchronize()
+        return self._cp.cuda.get_elapsed_time(self.begin, self.end) / 1e3
+
+    def __add__(self, other):
+        return float(self) + other
+
+    __radd__ = __add__
+
+
 def _time_prefills(engine) -> list:
-    """Wrap the engine's per-slot prefills: each call appends (start, seconds) to the returned list."""
+    """Wrap the engine's per-slot prefills: each call appends (start, seconds) to the returned list (seconds: a
+    number, or for a replay the resident scheduler only queued, a _GpuSeconds that sums as one)."""
     try:
         import cupy as cp
         sync = lambda: cp.cuda.get_current_stream().synchronize()  # noqa: E731
@@ -73,6 +93,18 @@ def _time_prefills(engine) -> list:
             log.append((t, time.perf_counter() - t))
             return out
         pre.run = timed
+        graphs = getattr(pre, "graphs", None)
+        if graphs is not None and hasattr(graphs, "replay_captured"):
+            replay = graphs.replay_captured
+
+            def queued(*a, _replay=replay, **k):
+                t, gpu_s = time.perf_counter(), _GpuSeconds(cp)  # (events on the caller's stream)
+                out = _replay(*a, **k)
+                gpu_s.end.record()
+                if out is not None:
+                    log.append((t, gpu_s))
+                return out
+            graphs.replay_captured = queued
     return log
 
 

@@ -5,10 +5,11 @@
 B - 1 requests decode in a resident launch of the B build (random bf16 weights); then --joins requests of a
 32-token prompt join one after another, each a different fraction of a step after the last one ended (as
 bench/batch.py's join_cost does). Each join's handover steps are stamped on the host, relative to its submit:
-the scheduler picks it (Joiner.start), its row staged, its prefill (synchronized), the hidden state handed over,
-the admission words published, the kernel's acknowledgement seen by the scheduler, the first token at the caller. Also where in the running
-launch's step the publication landed (since the running slots' last token, in steps) and the same request's
-stamps on an idle engine (its launch, first token). Prints one JSON line per join and a summary.
+the scheduler picks it (Joiner.start), its row staged, its prefill (synchronized; or, queued by the scheduler from a
+captured graph, from its replay to the publication), the hidden state handed over, the admission words published,
+the kernel's acknowledgement seen by the scheduler, the first token at the caller. Also where in the running launch's
+step the publication landed (since the running slots' last token, in steps) and the same request's stamps on an idle
+engine (its launch, first token). Prints one JSON line per join and a summary.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def probe(eng, vocab_size: int, batch: int, n_joins: int, n_new: int, sync=None)
     st = Stamps()
     for p in eng._prefill:
         st.wrap(p, "run", "prefill", sync=sync)
+        if getattr(p, "graphs", None) is not None:  # a join the scheduler queues itself (not waited for here)
+            st.wrap(p.graphs, "replay_captured", "replay queued", when=lambda r: r is not None)
     st.wrap(eng.gpu, "stage_join", "stage_join")
     st.wrap(eng.gpu, "hand_over", "hand_over")
     st.wrap(eng.gpu, "launch_single", "launch_single")
@@ -157,6 +160,9 @@ def probe(eng, vocab_size: int, batch: int, n_joins: int, n_new: int, sync=None)
             row["publish_to_ack_ms"] = round(ack - pub, 3) if ack is not None else None
             row["ack_to_token_ms"] = round(tl[-1][0] - ack, 3) if ack is not None else None
             pre = [t for t, what in tl if what.startswith("prefill")]
+            queued = first(tl, "replay queued start")
+            if len(pre) < 2 and queued is not None:  # queued by the scheduler: replay -> published (an upper bound)
+                pre = [queued, pub]
             row["prefill_ms"] = round(pre[-1] - pre[0], 3) if len(pre) >= 2 else None
             row["beyond_prefill_ms"] = round(row["ttft_ms"] - row["prefill_ms"], 3) if row["prefill_ms"] else None
         joins.append(row)

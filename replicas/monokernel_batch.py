@@ -363,10 +363,14 @@ class BatchGpuModel(GpuModel):
     def hand_over(self, b: int, x_last) -> None:
         """The second half: slot b's hidden state [H] into admit_x, then the prefill stream drained (the row,
         stops, prefill and this copy are all on the GPU before the slot is published)."""
+        self.queue_hand_over(b, x_last)
+        self.prefill_stream.synchronize()
+
+    def queue_hand_over(self, b: int, x_last) -> None:
+        """hand_over's copy alone, queued on the prefill stream (the caller waits for it before publishing)."""
         cp, hp = self.cp, self.layout.hp
         with cp.cuda.Device(self.device), self.prefill_stream:
             self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
-            self.prefill_stream.synchronize()
 
     def launch_single(self, b: int, s: SlotSpec, x_last, profile=None) -> None:
         """Start the single-sequence build on slot b alone (its KV, token and control words): the

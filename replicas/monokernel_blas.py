@@ -210,13 +210,6 @@ class Blas:
         del w_arr, x_arr
         return y
 
-    def linear_add(self, x_bits, w, k: int, out) -> None:
-        """out += linear(x_bits, w, k) (out fp32 [T, N] contiguous); the mma GEMM adds its K parts in place."""
-        if gemm_mode() == "mma":
-            _mma(self.cp).linear_add(x_bits, w, k, out)
-        else:
-            out += self.linear(x_bits, w, k)
-
     def _operand(self, bits, ld: int):
         """A GEMM operand from a bf16 view: (pointer, type, leading dim, the array behind the pointer) as it
         is, or in fp32 mode a contiguous fp32 copy's (leading dim: the view's last extent). Callers hold the

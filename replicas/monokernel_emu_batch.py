@@ -173,6 +173,10 @@ class EmuBatchGpu:
 
     def hand_over(self, b: int, x_last) -> None:
         """BatchGpuModel.hand_over: slot b's hidden state into admit_x."""
+        self.queue_hand_over(b, x_last)
+
+    def queue_hand_over(self, b: int, x_last) -> None:
+        """BatchGpuModel.queue_hand_over (the emulation has no streams: done at once)."""
         hp = self.layout.hp
         self.admit_x[b * hp:b * hp + self.config.hidden_size] = x_last
 

@@ -149,14 +149,6 @@ class Prefill:
         xb = x if x.dtype == self.cp.uint16 else self.narrow(x)
         return self.blas.linear(self.cp.ascontiguousarray(xb), w, k)
 
-    def _linear_add(self, x, a, w, k: int) -> None:
-        """x += _linear(a, w, k) (x fp32 [T, N], contiguous), in place."""
-        if self.blas is None:
-            x += self._linear(a, w, k)
-            return
-        ab = a if a.dtype == self.cp.uint16 else self.narrow(a)
-        self.blas.linear_add(self.cp.ascontiguousarray(ab), w, k, x)
-
     def _silu_up(self, gu):
         """gu fp32 [T, I, 2] (gate, up) -> SiLU(gate) * up [T, I]: fp32 on the CPU, on the GPU already
         as the bf16 bits its GEMM reads (one kernel)."""
@@ -303,10 +295,10 @@ class Prefill:
             v_bits = self.narrow(v)
             self._store_kv(n, k_bits, v_bits, pos)
             attn = self._attention(self._rope_at(q, pos), k_bits, v_bits, n, pos.start, pos)
-            self._linear_add(x, attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
+            x += self._linear(attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
             if c.o_bias:
                 x += w["o_bias"][n]
             gu = self._linear(self._rms(x, w["ln2"][n]), w.get("w_gu_prefill", w["w_gu"])[n].reshape(2 * I, -1), H
                               ).reshape(T, I, 2)
-            self._linear_add(x, self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
+            x += self._linear(self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
         return x

@@ -163,7 +163,6 @@ class MmaGemm:
         self.cp = cp
         self.module = cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
         self._fns: dict = {}
-        self._add_parts = None  # (an ElementwiseKernel, made at first use)
 
     def _fn(self, name: str):
         fn = self._fns.get(name)
@@ -199,35 +198,16 @@ class MmaGemm:
         if int(x_bits.shape[1]) != int(k) or int(w.shape[1]) < int(k):
             raise ValueError(f"x_bits has {x_bits.shape[1]} columns and w {w.shape[1]}; need x_bits [T, {k}] "
                              f"and w [N, >= {k}]")
-        parts = self._parts(x_bits, w, k)
-        return parts[0] if parts.shape[0] == 1 else parts.sum(axis=0)  # (a fixed order per element: deterministic)
-
-    def linear_add(self, x_bits, w, k: int, out) -> None:
-        """out += x_bits . w[:, :k]^T (out float32 [T, N], contiguous): the K parts summed into out by one
-        kernel, not a sum and then an add (beside a resident kernel each small kernel costs ~10 us or more)."""
-        if tuple(out.shape) != (int(x_bits.shape[0]), int(w.shape[0])) or out.dtype != self.cp.float32 \
-                or not out.flags.c_contiguous:
-            raise ValueError(f"out must be contiguous float32 [T, N] = {(int(x_bits.shape[0]), int(w.shape[0]))}, "
-                             f"got {out.dtype} {tuple(out.shape)}")
-        parts = self._parts(x_bits, w, k)
-        if self._add_parts is None:
-            self._add_parts = self.cp.ElementwiseKernel(
-                "raw float32 parts, int64 tn, int32 splits", "float32 out",
-                "float s = out; for (int z = 0; z < splits; z++) s += parts[z * tn + i]; out = s;", "pg_add_parts")
-        self._add_parts(parts, np.int64(out.size), np.int32(parts.shape[0]), out)
-
-    def _parts(self, x_bits, w, k: int):
-        """x_bits . w[:, :k]^T as [splits, T, N] float32 partial products over K (k_splits; one when the
-        grid is wide enough)."""
         t, n = int(x_bits.shape[0]), int(w.shape[0])
         splits = k_splits(t, n, k) if x_bits.strides[1] == 2 and w.strides[1] == 2 else 1
-        parts = self.cp.empty((splits, t, n), self.cp.float32)  # [split, T, N]
         if splits == 1:
-            self.gemm(x_bits[None], w[None, :, :k], parts, trans_b=True)
-        else:
-            a, b = split_views(self.cp, x_bits, w, k, splits)
-            self.gemm(a, b, parts, trans_b=True)
-        return parts
+            out = self.cp.empty((t, n), self.cp.float32)
+            self.gemm(x_bits[None], w[None, :, :k], out[None], trans_b=True)
+            return out
+        parts = self.cp.empty((splits, t, n), self.cp.float32)  # [split, T, N]
+        a, b = split_views(self.cp, x_bits, w, k, splits)
+        self.gemm(a, b, parts, trans_b=True)
+        return parts.sum(axis=0)  # (a fixed order per element: deterministic)
 
     def warm(self) -> None:
         """Launch every kernel once on tiny operands (and wait): a kernel's first launch loads it, and

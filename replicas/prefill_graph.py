@@ -100,11 +100,23 @@ class PrefillGraphs:
             return None
         with self._lock:
             g = self.graphs.get(key) or self._capture(key, shape)
-            if g is None:
-                return None
-            self.inputs[:2 + shape.rows].set(pack_inputs(ids, start, shape.rows))  # stream-ordered
-            g.graph.launch()
-            return g.x[len(ids) - start - 1].copy()
+            return None if g is None else self._replay(g, ids, start, shape.rows)
+
+    def replay_captured(self, ids, start: int, mode: str):
+        """As run, for GEMM mode `mode`, but only from a graph captured already (None otherwise: nothing is
+        captured or run). Everything it does is queued on the current stream, so a caller that must not block
+        (the resident engine's scheduler) waits on an event instead."""
+        shape = graph_shape(len(ids) - start, start, self.max_context, self.heads)
+        g = None if shape is None else self.graphs.get((mode, shape.rows, shape.keys))
+        if g is None:
+            return None
+        with self._lock:
+            return self._replay(g, ids, start, shape.rows)
+
+    def _replay(self, g: _Graph, ids, start: int, rows: int):
+        self.inputs[:2 + rows].set(pack_inputs(ids, start, rows))  # stream-ordered
+        g.graph.launch()
+        return g.x[len(ids) - start - 1].copy()
 
     def _capture(self, key: tuple, shape: GraphShape) -> _Graph | None:
         from replicas.monokernel_prefill import Positions

@@ -365,6 +365,74 @@ def test_a_join_whose_prefill_fails_ends_that_request_alone(tiny, resident_gpu, 
         assert h + list(g) == one.generate_greedy(p, 24)
 
 
+class _QueuedGraphs:
+    """Stands in for a slot's PrefillGraphs on the emulation: prompts of even length have a "captured graph"
+    (the scheduler then queues the prefill itself, Joiner.start), odd ones do not (the worker prefills them);
+    `fail` makes a replay raise."""
+
+    def __init__(self, pre):
+        self.pre, self.calls, self.fail = pre, [], False
+
+    def run(self, ids, start):
+        return None  # (Prefill.run: no graph here, it prefills eagerly)
+
+    def replay_captured(self, ids, start, mode):
+        if len(ids) % 2:
+            return None
+        self.calls.append((len(ids), start, mode))
+        if self.fail:
+            raise RuntimeError("graph replay failed (test)")
+        return self.pre.run(ids, start=start)[0]
+
+
+class _Event:
+    """cupy.cuda.Event on the emulation: not done at its first poll, done after (both branches of poll)."""
+
+    def __init__(self, disable_timing=True):
+        self.polls = 0
+
+    def record(self, stream=None):
+        pass
+
+    @property
+    def done(self):
+        self.polls += 1
+        return self.polls > 1
+
+    def synchronize(self):
+        self.polls = 1
+
+
+@emu_only
+def test_a_join_with_a_captured_graph_is_queued_by_the_scheduler_itself(tiny, resident_gpu, engine, monkeypatch):
+    """Joiner.start's scheduler-thread path: the prefill replayed on the prefill stream and published when its
+    event is done, with no worker; exact tokens, no relaunch, and a failing replay ends that request alone."""
+    cfg, _, one = tiny
+    gpu, eng = resident_gpu, engine
+    monkeypatch.setattr(gpu.cp.cuda, "Event", _Event, raising=False)
+    fakes = [_QueuedGraphs(pre) for pre in eng._prefill]
+    for pre, fake in zip(eng._prefill, fakes):
+        monkeypatch.setattr(pre, "graphs", fake, raising=False)
+    rng = np.random.default_rng(47)
+    running = [eng.generate(rng.integers(0, cfg.vocab_size, 9).tolist(), greedy(60)) for _ in range(3)]
+    for g in running:
+        next(g)
+    launches, joins = gpu.launches, eng.resident_joins
+    even, odd = rng.integers(0, cfg.vocab_size, 10).tolist(), rng.integers(0, cfg.vocab_size, 7).tolist()
+    assert list(eng.generate(even, greedy(5))) == one.generate_greedy(even, 5)
+    assert list(eng.generate(odd, greedy(5))) == one.generate_greedy(odd, 5)
+    assert sum(len(f.calls) for f in fakes) == 1 and [f.calls for f in fakes if f.calls][0][0][:2] == (10, 0)
+    assert (gpu.launches, eng.resident_joins) == (launches, joins + 2)
+    for f in fakes:
+        f.fail = True
+    with pytest.raises(RuntimeError, match="graph replay failed"):
+        list(eng.generate(even, greedy(3)))
+    assert list(eng.generate(odd, greedy(3))) == one.generate_greedy(odd, 3)  # its slot was freed for this one
+    for g in running:
+        g.cancel()
+        list(g)
+
+
 @emu_only
 def test_an_idle_resident_launch_hands_the_gpu_back_to_forward_logits_and_close(tiny):
     """idle_s > 0 keeps an empty launch waiting for joins; forward_logits (which needs the GPU) and close()

@@ -116,23 +116,6 @@ def test_split_k_linear_matches_float64(cp, gemm, t, n, k):
     assert err <= tol(k), f"{err:.3g} > {tol(k):.3g}"
 
 
-@pytest.mark.parametrize("t,n,k", [(1, 2048, 8192), (32, 2048, 2048), (300, 2048, 2048)])
-def test_linear_add_sums_into_the_residual(cp, gemm, t, n, k):
-    """linear_add (the prefill's o and down): out += x . w^T with the K parts (or the one product at 300 rows)
-    added in place; the residual's values count, so it starts random."""
-    rng = np.random.default_rng(3 * t + n + k)
-    w = rand_bits(rng, (n, k + 8))
-    x = rand_bits(rng, (t, k))
-    res = rng.standard_normal((t, n)).astype(np.float32) * 4
-    out = cp.asarray(res)
-    gemm.linear_add(cp.asarray(x), cp.asarray(w), k, out)
-    ref = res.astype(np.float64) + as_f64(x) @ as_f64(w[:, :k]).T
-    err = rel_err(cp.asnumpy(out), ref)
-    assert err <= tol(k), f"{err:.3g} > {tol(k):.3g}"
-    with pytest.raises(ValueError, match="out must be contiguous float32"):
-        gemm.linear_add(cp.asarray(x), cp.asarray(w), k, out[:, :-1])
-
-
 def test_runs_beside_a_kernel_holding_all_but_16_sms(cp, gemm):
     from replicas.concurrency_check import runs_beside
 
