@@ -58,3 +58,63 @@ def test_partings_finds_the_first_differing_token_and_its_logit_gap():
 
     got = batch.partings(Logits(), [[1], [2]], [[3, 3, 3], [5, 3]], [[3, 3, 3], [5, 2]])
     assert got == [{"slot": 1, "step": 1, "gap": 0.01}]  # (10 - 9.9) / 10
+
+
+class _FakeEvent:
+    clock = [0.0]
+
+    def record(self):
+        self.t = self.clock[0]
+
+    def synchronize(self):
+        pass
+
+
+def test_queued_replays_count_their_gpu_seconds_in_the_prefill_sums():
+    """A join the resident scheduler queued (PrefillGraphs.replay_captured, not waited for) is timed by events
+    and sums with the synchronous prefills' seconds, as join_cost's sums need."""
+    from types import SimpleNamespace
+
+    cp = SimpleNamespace(cuda=SimpleNamespace(Event=_FakeEvent, get_elapsed_time=lambda a, b: 1e3 * (b.t - a.t)))
+    g = batch._GpuSeconds(cp)
+    _FakeEvent.clock[0] = 0.009  # the replay ran 9 ms on the GPU
+    g.end.record()
+    assert abs(sum([0.002, g]) - 0.011) < 1e-12 and abs(sum([g]) - 0.009) < 1e-12 and float(g) == 0.009
+
+
+def test_the_join_timeline_probe_on_the_emulated_resident_engine():
+    """bench/join_timeline.py's probe on the kernel's CPU emulation (tiny model, B = 4, 3 running): every join
+    enters the running launch, and each row carries the handover's stamps and its 'beyond the prefill'."""
+    import platform
+    import shutil
+    import tempfile
+
+    import pytest
+
+    if shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the CPU emulation needs g++ on x86-64")
+    from bench.join_timeline import probe
+    from replicas.checkpoint import make_checkpoint
+    from replicas.model import ModelConfig
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_emu_batch import EmuBatchGpu
+    from replicas.monokernel_prefill import Prefill
+    from replicas.weights import load_weights
+
+    path = make_checkpoint("tiny", tempfile.mkdtemp(), seed=0, dtype="bf16")
+    cfg = ModelConfig.from_pretrained(path)
+    eng = BatchedMonokernelEngine.around(cfg, EmuBatchGpu(cfg, load_weights(path, cfg, dtype="raw"), 4, resident=True),
+                                         lambda view: Prefill(view, np))
+    try:
+        summary, joins, idle = probe(eng, cfg.vocab_size, 4, 2, 300)
+    finally:
+        eng.close()
+    assert summary["resident_joins"] == 2 and len(joins) == 2 and len(idle) == 3
+    for row in joins:
+        labels = [what for _, what in row["timeline_ms"]]
+        for want in ("picked start", "stage_join start", "prefill start", "publish end", "ack seen start",
+                     "first token"):
+            assert want in labels, (want, labels)
+        assert 0 < row["prefill_ms"] < row["ttft_ms"] and row["beyond_prefill_ms"] > 0
+        assert row["publish_to_ack_ms"] >= 0 and row["ack_to_token_ms"] > 0
+    assert len(summary["join_beyond_prefill_less_idle_ms"]) == 2
