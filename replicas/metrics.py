@@ -96,6 +96,9 @@ class _LaunchCollector(Collector):
                                   value=e.launches)
         yield CounterMetricFamily("monoserve_replica_resident_joins", "Requests admitted into a running "
                                   "resident launch, without a relaunch.", value=getattr(e, "resident_joins", 0))
+        yield CounterMetricFamily("monoserve_replica_stalled_joins", "Joins that waited for the running launch "
+                                  "past JOIN_STALL_S (a first kernel load): the launch was asked to yield for them.",
+                                  value=getattr(e, "stalled_joins", 0))
         if getattr(e, "resident", False):
             joiner = getattr(e, "_joiner", None)
             mode = GaugeMetricFamily("monoserve_replica_join_mode", "Constant 1, labelled with the GEMM mode of "

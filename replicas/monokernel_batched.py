@@ -142,6 +142,7 @@ class BatchedMonokernelEngine(ResidentJoins):
         self._joiner = Joiner(gpu, self._prefill) if self.resident else None
         self.idle_ns = int(float(idle_s) * 1e9)
         self.resident_joins = 0  # requests admitted into a running launch (no relaunch)
+        self.stalled_joins = 0  # joins that waited past JOIN_STALL_S for the running launch (it was asked to yield)
         self._resident_launch = False  # a resident batch launch is running (session KV is then copied at once)
         self._want_gpu = threading.Event()  # forward_logits waits for an idle resident launch to end
         self._cv = threading.Condition()
@@ -353,7 +354,8 @@ class BatchedMonokernelEngine(ResidentJoins):
             # an idle resident launch hands the GPU back when the engine closes or forward_logits wants it
             hand_back = resident and not any(self._slots) and (self._closed or self._want_gpu.is_set())
             if not yielded and (hand_back or (not joining and (self._join_waiting()
-                                                               or (not single and self._lone_left())))):
+                                                               or (not single and self._lone_left())))
+                                or (joining and self._join_stalled())):
                 gpu.request_yield()  # admit the newcomer, go to the single build, or hand the GPU back
                 yielded = True
             poll_sleep()

@@ -36,6 +36,11 @@ FP32_JOIN_TOKENS = 64
 # 512 rows) in 58 ms. Longer prompts relaunch. Open: with graph prefill a relaunch got cheaper too (its prefill
 # runs on every SM); where the two cross for the joiner and the running slots is not measured yet.
 MMA_JOIN_TOKENS = 512
+# A join under way for longer than this is waiting for the running launch, not prefilling (the longest joins
+# measured: 512 rows beside a B = 4 launch ~60 ms; fp32 mode's 64 tokens 50-60 ms). What waits for a launch is a
+# kernel loaded for the first time (or a device-wide synchronization): it would wait until every running request
+# ends, seconds. Past this the scheduler asks the launch to yield, so the join completes and starts in a relaunch.
+JOIN_STALL_S = 0.5
 # A join mode's logits against the tensor-core prefill's: the same bf16 products summed in another order,
 # so an activation's bf16 re-rounding between GEMMs can land one ulp (2^-8) apart and spread through the
 # layers. Measured on the H200 (llama-3.2-1b shapes, every logit of a 200-token prompt): mma 6.2e-3, fp32
@@ -136,6 +141,7 @@ class Joiner:
         self.mode: str | None = "tensor"  # the joins' GEMMs (warm() checks what runs beside a launch)
         self.max_join_tokens: int | None = None  # longest prompt that joins (None: any)
         self.x: dict[int, object] = {}  # slot -> hidden state of a join not yet acknowledged
+        self.started = 0.0  # perf_counter at the last start()
 
     def start(self, b: int, ids, spec, start: int = 0) -> None:
         """Prefill `ids[start:]` into slot b (free, and outside the running launch's live slots; rows
@@ -148,6 +154,7 @@ class Joiner:
         0.1-0.5 ms waiting for the GIL behind the polling threads."""
         if self.job is not None or not self.gpu.admissions.consumed:
             raise RuntimeError("one join at a time: the last one is still under way")
+        self.started = time.perf_counter()
         gpu = self.gpu
         gpu.stage_join(b, spec)  # (queued ahead of the prefill, on the prefill stream)
         graphs = getattr(self.prefills[b], "graphs", None)
@@ -349,6 +356,19 @@ class ResidentJoins:
         r.reused = start = self._sessions.restore(r, b, stream=self.gpu.prefill_stream)
         j.start(b, r.ids, r.spec, start=start)
         self.resident_joins += 1
+        return True
+
+    def _join_stalled(self) -> bool:
+        """The join under way has taken longer than JOIN_STALL_S (logged once per join): the running launch
+        should yield, since whatever the join waits for (a first kernel load) waits for the launch to end."""
+        j = self._joiner
+        if j.job is None or time.perf_counter() - j.started <= JOIN_STALL_S:
+            return False
+        log.warning("a join into slot %d has been under way for %.0f ms (more than JOIN_STALL_S = %.2f s): it is "
+                    "waiting for the running launch (most likely a kernel loaded for the first time; "
+                    "CUDA_MODULE_LOADING=EAGER avoids most); asking the launch to yield so it starts in a relaunch",
+                    j.job[0], 1e3 * (time.perf_counter() - j.started), JOIN_STALL_S)
+        self.stalled_joins += 1
         return True
 
     def _to_prefill(self, r) -> int:

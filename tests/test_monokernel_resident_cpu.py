@@ -434,6 +434,41 @@ def test_a_join_with_a_captured_graph_is_queued_by_the_scheduler_itself(tiny, re
 
 
 @emu_only
+def test_a_join_that_waits_for_the_launch_makes_it_yield_after_join_stall_s(tiny, resident_gpu, engine, monkeypatch):
+    """A join whose prefill cannot finish while the launch runs (on a GPU: a kernel loaded for the first time
+    waits for it) would wait for every running request to end; past JOIN_STALL_S the scheduler asks the launch
+    to yield, the prefill completes and the request starts in the relaunch. Tokens exact for everyone."""
+    import replicas.monokernel_resident as res_mod
+
+    cfg, _, one = tiny
+    eng = engine
+    monkeypatch.setattr(res_mod, "JOIN_STALL_S", 0.3)
+    rng = np.random.default_rng(48)
+    ps = [rng.integers(0, cfg.vocab_size, 8).tolist() for _ in range(3)]
+    stuck = rng.integers(0, cfg.vocab_size, 5).tolist()
+    for pre in eng._prefill:
+        real = pre.run
+
+        def run(ids, *a, _real=real, **k):
+            if list(ids) == stuck:  # waits for the running launch to end, as a first module load does
+                while eng._resident_launch:
+                    time.sleep(0.005)
+            return _real(ids, *a, **k)
+        monkeypatch.setattr(pre, "run", run)
+    running = [eng.generate(p, greedy(30)) for p in ps]
+    heads = [[next(g)] for g in running]
+    launches, stalled = eng.launches, eng.stalled_joins
+    g = eng.generate(stuck, greedy(4))
+    first = next(g)
+    # it started while the running requests still decode (without the yield: only once all three had ended)
+    assert sum(r is not None for r in eng._slots) == 4
+    assert [first] + list(g) == one.generate_greedy(stuck, 4)
+    assert eng.stalled_joins == stalled + 1 and eng.launches == launches + 1
+    for p, h, r in zip(ps, heads, running):
+        assert h + list(r) == one.generate_greedy(p, 30)
+
+
+@emu_only
 def test_an_idle_resident_launch_hands_the_gpu_back_to_forward_logits_and_close(tiny):
     """idle_s > 0 keeps an empty launch waiting for joins; forward_logits (which needs the GPU) and close()
     must not wait out that idle time."""

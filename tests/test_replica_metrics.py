@@ -13,9 +13,10 @@ def test_a_resident_engines_launches_joins_and_join_mode_are_read_at_scrape():
     engine = SimpleNamespace(launches=3, resident_joins=0, resident=True, _joiner=SimpleNamespace(mode="fp32"))
     reg = ReplicaMetrics("r0", 4, engine=engine).registry
     assert reg.get_sample_value("monoserve_replica_kernel_launches_total") == 3
-    engine.launches, engine.resident_joins = 5, 7  # read live, not copied at construction
+    engine.launches, engine.resident_joins, engine.stalled_joins = 5, 7, 1  # read live, not copied at construction
     assert reg.get_sample_value("monoserve_replica_kernel_launches_total") == 5
     assert reg.get_sample_value("monoserve_replica_resident_joins_total") == 7
+    assert reg.get_sample_value("monoserve_replica_stalled_joins_total") == 1
     assert reg.get_sample_value("monoserve_replica_join_mode", {"mode": "fp32"}) == 1
     engine._joiner = None  # nothing ran beside a launch: joins are off
     assert reg.get_sample_value("monoserve_replica_join_mode", {"mode": "off"}) == 1
