@@ -156,20 +156,20 @@ class Joiner:
             raise RuntimeError("one join at a time: the last one is still under way")
         self.started = time.perf_counter()
         gpu = self.gpu
-        gpu.stage_join(b, spec)  # (queued ahead of the prefill, on the prefill stream)
         graphs = getattr(self.prefills[b], "graphs", None)
         x_last = None
-        if graphs is not None and self.mode is not None:
-            try:
+        try:
+            gpu.stage_join(b, spec)  # (queued ahead of the prefill, on the prefill stream)
+            if graphs is not None and self.mode is not None:
                 with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
                     x_last = graphs.replay_captured(ids, start, self.mode)
                     if x_last is not None:
                         gpu.queue_hand_over(b, x_last)
                         done = gpu.cp.cuda.Event(disable_timing=True)
                         done.record(gpu.prefill_stream)
-            except Exception as e:  # noqa: BLE001 - the join fails (its request gets the error), not the scheduler
-                self.job = (b, _Queued(None, None, e))
-                return
+        except Exception as e:  # noqa: BLE001 - the join fails (its request gets the error), not the scheduler
+            self.job = (b, _Queued(None, None, e))
+            return
         if x_last is not None:
             def publish(x=x_last):
                 self.x[b] = x
