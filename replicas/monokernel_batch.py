@@ -77,6 +77,11 @@ class SlotSpec:
     forced: Sequence[int] | None = field(default=None, repr=False)  # teacher-forced tokens (forward_logits)
 
 
+def _check_stop_count(stop_ids: Sequence[int]) -> None:
+    if len(stop_ids) > L.MAX_STOP_IDS:
+        raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(stop_ids)}")
+
+
 def slot_row(s: SlotSpec, active: bool = True) -> list[np.uint64]:
     """Slot s's row of the slot table (SLOT_FIELDS order). A row for a resident launch to admit says
     active = 0: the admission makes it live, and a launch that starts before it must not."""
@@ -279,8 +284,7 @@ class BatchGpuModel(GpuModel):
 
     def _write_stops(self, b: int, stop_ids: Sequence[int]):
         """Slot b's stop ids into its row of the stop table (zero padded); returns the row."""
-        if len(stop_ids) > L.MAX_STOP_IDS:
-            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(stop_ids)}")
+        _check_stop_count(stop_ids)
         row = self.stop_ids[b * L.MAX_STOP_IDS:(b + 1) * L.MAX_STOP_IDS]
         row[:] = 0
         if len(stop_ids):
@@ -346,8 +350,7 @@ class BatchGpuModel(GpuModel):
     def stage_join(self, b: int, s: SlotSpec) -> None:
         """The first half of prepare_join, which needs no prefill: slot b's row (active = 0: only the admission
         starts it) and stop ids, queued on the prefill stream (a joiner's prefill runs after them, on that stream)."""
-        if len(s.stop_ids) > L.MAX_STOP_IDS:
-            raise ValueError(f"at most {L.MAX_STOP_IDS} stop token ids per slot, got {len(s.stop_ids)}")
+        _check_stop_count(s.stop_ids)
         cp, rt, n, m = self.cp, self.cp.cuda.runtime, len(L.SLOT_FIELDS), L.MAX_STOP_IDS
         self.join_rows.array.view(np.uint64)[b * n:(b + 1) * n] = slot_row(s, active=False)
         stops = self.join_stops.array[b * m:(b + 1) * m]

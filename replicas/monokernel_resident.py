@@ -155,26 +155,13 @@ class Joiner:
         if self.job is not None or not self.gpu.admissions.consumed:
             raise RuntimeError("one join at a time: the last one is still under way")
         self.started = time.perf_counter()
-        gpu = self.gpu
-        graphs = getattr(self.prefills[b], "graphs", None)
-        x_last = None
         try:
-            gpu.stage_join(b, spec)  # (queued ahead of the prefill, on the prefill stream)
-            if graphs is not None and self.mode is not None:
-                with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
-                    x_last = graphs.replay_captured(ids, start, self.mode)
-                    if x_last is not None:
-                        gpu.queue_hand_over(b, x_last)
-                        done = gpu.cp.cuda.Event(disable_timing=True)
-                        done.record(gpu.prefill_stream)
+            self.gpu.stage_join(b, spec)  # (queued ahead of the prefill, on the prefill stream)
+            queued = self._queue_replay(b, ids, start)
         except Exception as e:  # noqa: BLE001 - the join fails (its request gets the error), not the scheduler
-            self.job = (b, _Queued(None, None, e))
-            return
-        if x_last is not None:
-            def publish(x=x_last):
-                self.x[b] = x
-                gpu.admissions.publish(1 << b)
-            self.job = (b, _Queued(done, publish))
+            queued = _Queued(None, None, e)
+        if queued is not None:
+            self.job = (b, queued)
             return
 
         def run():
@@ -186,6 +173,25 @@ class Joiner:
             gpu.admissions.publish(1 << b)
 
         self.job = (b, self._pool.submit(run))
+
+    def _queue_replay(self, b: int, ids, start: int) -> _Queued | None:
+        """Slot b's prefill from its captured graph, the hidden-state copy and an event, all queued on the
+        prefill stream; None when no graph of this shape is captured (the worker prefills it then)."""
+        gpu, graphs = self.gpu, getattr(self.prefills[b], "graphs", None)
+        if graphs is None or self.mode is None:
+            return None
+        with gpu.cp.cuda.Device(gpu.device), gpu.prefill_stream:
+            x_last = graphs.replay_captured(ids, start, self.mode)
+            if x_last is None:
+                return None
+            gpu.queue_hand_over(b, x_last)
+            done = gpu.cp.cuda.Event(disable_timing=True)
+            done.record(gpu.prefill_stream)
+
+        def publish():
+            self.x[b] = x_last
+            gpu.admissions.publish(1 << b)
+        return _Queued(done, publish)
 
     def warm(self, slot: int, max_context: int, vocab_size: int) -> str | None:
         """Before the first launch, in the worker thread on the prefill stream: pick the joins' GEMM mode
