@@ -1,6 +1,7 @@
 """Where a join's prefill spends its time beside a running resident launch, op by op (issue 9: a joiner's TTFT).
 
     python bench/prefill_beside_probe.py [--tokens 32] [--reps 5] [--out DIR]
+    MK_PG_PREFETCH=16 python bench/prefill_beside_probe.py ...   (the join GEMM's L2 prefetch distance)
 
 Session 17 measured a 32-token join prefill at ~9 ms beside a resident B = 8 launch of llama-3.2-1b (7 running)
 against 1.65 ms on an idle GPU, and split-K for its narrow GEMMs won only ~0.8 ms of that. The hypothesis
@@ -65,9 +66,11 @@ def per_op(cp, spans) -> dict:
     return {k: [v[0], round(v[1], 3)] for k, v in sorted(out.items(), key=lambda kv: -kv[1][1])}
 
 
-def measure(cp, eng, slot: int, ids, reps: int) -> dict:
+def measure(cp, eng, slot: int, ids, reps: int, tokens_seen=None) -> dict:
     """In a thread of its own (the joins' GEMM mode is per thread), on the prefill stream: per-op times of
-    `reps` eager forwards (the median rep's), the forward's and the graph replay's GPU ms."""
+    `reps` eager forwards (the median rep's), the forward's and the graph replay's GPU ms. tokens_seen (a
+    callable: the running requests' tokens so far): also their tokens/s over a quiet window and over a
+    window of back-to-back replays (what a join's prefill costs the requests already running)."""
     from replicas.monokernel_blas import use_gemm_mode
 
     pre, gpu, res = eng._prefill[slot], eng.gpu, {}
@@ -99,6 +102,16 @@ def measure(cp, eng, slot: int, ids, reps: int) -> dict:
                 e.synchronize()
                 graph_ms.append(cp.cuda.get_elapsed_time(b, e))
             res["graph_replay_ms"] = round(statistics.median(graph_ms), 3)
+            if tokens_seen is not None:
+                t0, n0 = time.perf_counter(), tokens_seen()
+                time.sleep(0.2)
+                t1, n1 = time.perf_counter(), tokens_seen()
+                for _ in range(20):
+                    pre.run(ids)
+                cp.cuda.get_current_stream().synchronize()
+                t2, n2 = time.perf_counter(), tokens_seen()
+                res["running_tok_s_quiet"] = round((n1 - n0) / (t1 - t0), 1)
+                res["running_tok_s_during_replays"] = round((n2 - n1) / (t2 - t1), 1)
     t = threading.Thread(target=run)
     t.start()
     t.join()
@@ -125,13 +138,22 @@ def main() -> None:
     gens = [eng.generate(p, SamplingParams(max_tokens=4096, ignore_eos=True)) for p in ps]
     for g in gens:
         next(g)
-    threads = [threading.Thread(target=lambda g=g: [None for _ in g], daemon=True) for g in gens]
+    seen = [0] * len(gens)  # tokens per running request (one writer each)
+
+    def consume(i, g):
+        for _ in g:
+            seen[i] += 1
+
+    threads = [threading.Thread(target=consume, args=(i, g), daemon=True) for i, g in enumerate(gens)]
     for t in threads:
         t.start()
     time.sleep(0.05)
-    out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(gens)}
+    from replicas.monokernel_blas import _mma
+
+    out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(gens),
+           "prefetch_steps": _mma(cp).prefetch_steps}
     launches = eng.launches
-    out["beside"] = measure(cp, eng, 7, ids, args.reps)  # slot 7: free while 0..6 decode
+    out["beside"] = measure(cp, eng, 7, ids, args.reps, lambda: sum(seen))  # slot 7: free while 0..6 decode
     # the same launch ran throughout (no relaunch) and still runs
     out["beside"]["one_launch_throughout"] = eng.launches == launches and bool(eng._resident_launch)
     for g in gens:
