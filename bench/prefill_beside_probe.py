@@ -2,6 +2,7 @@
 
     python bench/prefill_beside_probe.py [--tokens 32] [--reps 5] [--out DIR]
     MK_PG_PREFETCH=16 python bench/prefill_beside_probe.py ...   (the join GEMM's L2 prefetch distance)
+    MK_PREFILL_FUSED=0 python bench/prefill_beside_probe.py ...  (the unfused norm / RoPE / KV-store passes)
 
 Session 17 measured a 32-token join prefill at ~9 ms beside a resident B = 8 launch of llama-3.2-1b (7 running)
 against 1.65 ms on an idle GPU, and split-K for its narrow GEMMs won only ~0.8 ms of that. The hypothesis
@@ -25,14 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-OPS = ("_linear", "_rms", "_attention", "_rope_at", "_store_kv", "_silu_up", "narrow", "_f32")
+OPS = ("_linear", "_linear_add", "_rms", "_rms_bits", "_attention", "_rope_at", "_rope_bits", "_store_kv",
+       "_store_kv_f32", "_silu_up", "narrow", "_f32")
 
 
 def instrument(cp, pre, spans: list) -> None:
     """Wrap pre's ops (instance attributes) so each call records (name, begin event, end event) on the
     current stream."""
     for name in OPS:
-        f = getattr(pre, name)
+        f = getattr(pre, name, None)
+        if f is None:
+            continue
 
         def timed(*a, _f=f, _name=name, **k):
             begin, end = cp.cuda.Event(), cp.cuda.Event()
@@ -151,7 +155,7 @@ def main() -> None:
     from replicas.monokernel_blas import _mma
 
     out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(gens),
-           "prefetch_steps": _mma(cp).prefetch_steps}
+           "prefetch_steps": _mma(cp).prefetch_steps, "fused": eng._prefill[7].fused}
     launches = eng.launches
     out["beside"] = measure(cp, eng, 7, ids, args.reps, lambda: sum(seen))  # slot 7: free while 0..6 decode
     # the same launch ran throughout (no relaunch) and still runs

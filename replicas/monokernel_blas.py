@@ -210,6 +210,14 @@ class Blas:
         del w_arr, x_arr
         return y
 
+    def linear_parts(self, x_bits, w, k: int):
+        """linear's product as [splits, T, N] fp32 parts to be summed in split order (the mma join GEMM splits
+        K when its grid is small; every other mode: one part)."""
+        if gemm_mode() == "mma":
+            assert x_bits.flags.c_contiguous and w.strides[-1] == 2 and x_bits.shape[1] == k
+            return _mma(self.cp).linear_parts(x_bits, w, k)
+        return self.linear(x_bits, w, k)[None]
+
     def _operand(self, bits, ld: int):
         """A GEMM operand from a bf16 view: (pointer, type, leading dim, the array behind the pointer) as it
         is, or in fp32 mode a contiguous fp32 copy's (leading dim: the view's last extent). Callers hold the

@@ -45,11 +45,15 @@ _BF16_RNE = "unsigned int u = __float_as_uint(v); y = (unsigned short)((u + 0x7f
 # Short prompts are bound by the host's per-operation launch cost (CuPy), not by the GPU: one
 # kernel each for RMSNorm, RoPE and SiLU*up instead of 5-8 elementwise operations (same math).
 _FUSED = r"""
-extern "C" __global__ void mk_rms_rows(const float* __restrict__ x, const float* __restrict__ w,
-                                       float* __restrict__ y, int n, float eps) {
-  // One block per row of n: y = x / sqrt(mean(x^2) + eps) * w.
+__device__ __forceinline__ unsigned short mk_bf16_rne(float v) {  // = _BF16_RNE (the narrow kernel's rounding)
+  const unsigned int u = __float_as_uint(v);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+template <bool BITS>
+__device__ __forceinline__ void mk_rms_row(const float* __restrict__ x, const float* __restrict__ w, void* y, int n,
+                                           float eps) {
+  // One block per row of n: y = x / sqrt(mean(x^2) + eps) * w (BITS: as bf16 bits, RNE).
   const float* xr = x + (long long)blockIdx.x * n;
-  float* yr = y + (long long)blockIdx.x * n;
   __shared__ float red[32];
   float ss = 0.f;
   for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
@@ -59,7 +63,27 @@ extern "C" __global__ void mk_rms_rows(const float* __restrict__ x, const float*
   ss = 0.f;
   for (int k = 0; k < (int)(blockDim.x >> 5); k++) ss += red[k];
   const float r = 1.f / sqrtf(ss / n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] * r * w[i];
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const float v = xr[i] * r * w[i];
+    if (BITS) static_cast<unsigned short*>(y)[(long long)blockIdx.x * n + i] = mk_bf16_rne(v);
+    else static_cast<float*>(y)[(long long)blockIdx.x * n + i] = v;
+  }
+}
+extern "C" __global__ void mk_rms_rows(const float* __restrict__ x, const float* __restrict__ w,
+                                       float* __restrict__ y, int n, float eps) {
+  mk_rms_row<false>(x, w, y, n, eps);
+}
+extern "C" __global__ void mk_rms_rows_bits(const float* __restrict__ x, const float* __restrict__ w,
+                                            unsigned short* __restrict__ y, int n, float eps) {
+  // The same sums and products as mk_rms_rows, stored as the bf16 bits the next GEMM reads (no narrow pass).
+  mk_rms_row<true>(x, w, y, n, eps);
+}
+__device__ __forceinline__ float mk_rope_at(const float* __restrict__ xr, const float* __restrict__ cs,
+                                            const float* __restrict__ sn, long long pos, int d, int j) {
+  // Element j of one head's rotate-half RoPE at position pos (xr: the head's d values): mk_rope_rows' math.
+  const int half = d / 2, k = j < half ? j : j - half;
+  const float a = xr[k], b = xr[k + half], c = cs[pos * half + k], s = sn[pos * half + k];
+  return j < half ? a * c - b * s : b * c + a * s;
 }
 extern "C" __global__ void mk_rope_rows(const float* __restrict__ x, const float* __restrict__ cs,
                                         const float* __restrict__ sn, float* __restrict__ y,
@@ -69,11 +93,9 @@ extern "C" __global__ void mk_rope_rows(const float* __restrict__ x, const float
   // Row t is at position start + t (start = *dyn_start when given: a CUDA graph reads it at replay).
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
-  const int half = d / 2, j = (int)(i % d);
-  const long long t = i / ((long long)heads * d) + (dyn_start ? *dyn_start : start), base = i - j;
-  const int k = j < half ? j : j - half;
-  const float a = x[base + k], b = x[base + k + half], c = cs[t * half + k], s = sn[t * half + k];
-  y[i] = j < half ? a * c - b * s : b * c + a * s;
+  const int j = (int)(i % d);
+  const long long t = i / ((long long)heads * d) + (dyn_start ? *dyn_start : start);
+  y[i] = mk_rope_at(x + (i - j), cs, sn, t, d, j);
 }
 extern "C" __global__ void mk_store_kv(const unsigned short* __restrict__ src, unsigned short* __restrict__ dst,
                                        int nkv, int d, int ctx, long long total, const int* __restrict__ dyn,
@@ -87,6 +109,45 @@ extern "C" __global__ void mk_store_kv(const unsigned short* __restrict__ src, u
   if (t >= count) return;
   const int h = (int)((i / d) % nkv), j = (int)(i % d);
   dst[((long long)h * ctx + start + t) * d + j] = src[i];
+}
+extern "C" __global__ void mk_rope_bits(const float* __restrict__ x, long long ldx, const float* __restrict__ cs,
+                                        const float* __restrict__ sn, unsigned short* __restrict__ y, int heads,
+                                        int group, int d, long long total, const int* __restrict__ dyn_start,
+                                        int start) {
+  // Queries: x rows t (stride ldx: a view into the QKV output) of [heads][d] -> RoPE at start + t -> bf16 bits
+  // y [heads / group][T][group][d] (the attention's layout: no narrow or transpose pass after).
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const long long T = total / ((long long)heads * d), t = i / ((long long)heads * d);
+  const int h = (int)((i / d) % heads), j = (int)(i % d);
+  const long long pos = t + (dyn_start ? *dyn_start : start);
+  const float v = mk_rope_at(x + t * ldx + (long long)h * d, cs, sn, pos, d, j);
+  y[(((long long)(h / group) * T + t) * group + h % group) * d + j] = mk_bf16_rne(v);
+}
+extern "C" __global__ void mk_store_kv_f32(const float* __restrict__ x, long long ldx, const float* __restrict__ cs,
+                                           const float* __restrict__ sn, unsigned short* __restrict__ dst, int nkv,
+                                           int d, int ctx, long long total, const int* __restrict__ dyn, int start,
+                                           int count) {
+  // Keys (cs, sn: RoPE) or values (cs null): x rows t (stride ldx) of [nkv][d] fp32 -> bf16 bits (RNE) into one
+  // layer's cache dst [nkv][ctx][d] at row start + t; what rope + narrow + mk_store_kv did in three passes.
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  if (dyn) { start = dyn[0]; count = dyn[1]; }
+  const long long t = i / ((long long)nkv * d);
+  if (t >= count) return;
+  const int h = (int)((i / d) % nkv), j = (int)(i % d);
+  const float* xr = x + t * ldx + (long long)h * d;
+  const float v = cs ? mk_rope_at(xr, cs, sn, start + t, d, j) : xr[j];
+  dst[((long long)h * ctx + start + t) * d + j] = mk_bf16_rne(v);
+}
+extern "C" __global__ void mk_add_parts(float* __restrict__ x, const float* __restrict__ parts, int splits,
+                                        long long n) {
+  // x += the split-K parts of a linear [splits][n], summed in split order first (fixed: deterministic).
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float s = parts[i];
+  for (int z = 1; z < splits; z++) s += parts[(long long)z * n + i];
+  x[i] += s;
 }
 """
 
@@ -122,6 +183,10 @@ class Prefill:
         self.m = model
         self.blas = None
         self.graphs = None
+        # GPU: the norm's, RoPE's and KV store's outputs written as the bf16 bits their readers take, and the
+        # split-K parts summed into the residual, in fused kernels (fewer kernels: beside a resident launch each
+        # one pays several ~6 us memory round trips). MK_PREFILL_FUSED=0: the unfused passes (A/B).
+        self.fused = False
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
 
@@ -135,6 +200,12 @@ class Prefill:
             self._rms_k = k["module"].get_function("mk_rms_rows")
             self._rope_k = k["module"].get_function("mk_rope_rows")
             self._store_k = k["module"].get_function("mk_store_kv")
+            # (all in the one module loaded above: nothing new loads beside a resident launch)
+            self._rms_bits_k = k["module"].get_function("mk_rms_rows_bits")
+            self._rope_bits_k = k["module"].get_function("mk_rope_bits")
+            self._store_f32_k = k["module"].get_function("mk_store_kv_f32")
+            self._add_parts_k = k["module"].get_function("mk_add_parts")
+            self.fused = os.environ.get("MK_PREFILL_FUSED", "1") != "0"
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
             if graphs:
@@ -149,6 +220,70 @@ class Prefill:
         xb = x if x.dtype == self.cp.uint16 else self.narrow(x)
         return self.blas.linear(self.cp.ascontiguousarray(xb), w, k)
 
+    def _linear_add(self, x, inp, w, k: int) -> None:
+        """x += inp @ w[:, :K]^T (x fp32 [T, N] contiguous); GPU fused: split-K parts summed into x by one kernel."""
+        if not self.fused:
+            x += self._linear(inp, w, k)
+            return
+        cp = self.cp
+        xb = cp.ascontiguousarray(inp if inp.dtype == cp.uint16 else self.narrow(inp))
+        parts = self.blas.linear_parts(xb, w, k)  # [splits, T, N]
+        if parts.shape[0] == 1:
+            x += parts[0]
+            return
+        assert x.flags.c_contiguous and parts.flags.c_contiguous and parts[0].shape == x.shape
+        self._add_parts_k(((x.size + 255) // 256,), (256,), (x, parts, np.int32(parts.shape[0]), np.int64(x.size)))
+
+    def _rms_bits(self, x, w):
+        """A GEMM's input: RMSNorm of contiguous rows, fused: as the bf16 bits (= narrow(_rms(x, w)), which
+        _linear would do, in one kernel); otherwise _rms's fp32 (the CPU's GEMMs take fp32 unrounded)."""
+        if not self.fused or not x.flags.c_contiguous:
+            return self._rms(x, w)
+        cp = self.cp
+        n = x.shape[-1]
+        y = cp.empty(x.shape, cp.uint16)
+        self._rms_bits_k((x.size // n,), (256,), (x, cp.ascontiguousarray(w, cp.float32), y, np.int32(n),
+                                                  np.float32(self.m.config.rms_norm_eps)))
+        return y
+
+    @staticmethod
+    def _row_stride(x) -> int:
+        """Row stride (elements) of x [T, heads, D] fp32 whose rows hold contiguous [heads][D] (a view into the
+        QKV output, or a normed copy)."""
+        if x.strides[2] != 4 or x.strides[1] != 4 * x.shape[2] or x.strides[0] % 4:
+            raise ValueError(f"rows of [heads][D] must be contiguous, got strides {x.strides}")
+        return x.strides[0] // 4
+
+    def _rope_bits(self, q, pos: Positions):
+        """Queries q [T, NH, D] fp32 -> RoPE at pos -> bf16 bits [NKV, T, G, D] (the GPU attention's layout)."""
+        cp, c, m = self.cp, self.m.config, self.m
+        T, NH, D = q.shape
+        y = cp.empty((c.num_key_value_heads, T, c.group_size, D), cp.uint16)
+        total = q.size
+        self._rope_bits_k(((total + 255) // 256,), (256,), (q, np.int64(self._row_stride(q)), m.rope_cos, m.rope_sin, y,
+                                                            np.int32(NH), np.int32(c.group_size), np.int32(D),
+                                                            np.int64(total), NULL_ARG if pos.dyn is None else pos.dyn,
+                                                            np.int32(pos.start)))
+        return y
+
+    def _store_kv_f32(self, n: int, k, v, pos: Positions) -> None:
+        """Keys (RoPE at pos) and values [rows, NKV, D] fp32 -> bf16 bits into layer n's cache rows start..start+count-1."""
+        m, cp = self.m, self.cp
+        nkv, d, ctx = m.k_cache.shape[1], m.k_cache.shape[3], m.k_cache.shape[2]
+        dyn = NULL_ARG if pos.dyn is None else pos.dyn
+        for src, cache, cs, sn in ((k, m.k_cache[n], m.rope_cos, m.rope_sin), (v, m.v_cache[n], NULL_ARG, NULL_ARG)):
+            total = src.size
+            self._store_f32_k(((total + 255) // 256,), (256,), (src, np.int64(self._row_stride(src)), cs, sn, cache,
+                                                                 np.int32(nkv), np.int32(d), np.int32(ctx),
+                                                                 np.int64(total), dyn, np.int32(pos.start),
+                                                                 np.int32(pos.count)))
+
+    def _fusable(self) -> bool:
+        """The fused passes' layout needs: contiguous per-layer KV caches and RoPE tables (as the graphs do)."""
+        m = self.m
+        return (self.fused and m.k_cache[0].flags.c_contiguous and m.v_cache[0].flags.c_contiguous
+                and m.rope_cos.flags.c_contiguous and m.rope_sin.flags.c_contiguous)
+
     def _silu_up(self, gu):
         """gu fp32 [T, I, 2] (gate, up) -> SiLU(gate) * up [T, I]: fp32 on the CPU, on the GPU already
         as the bf16 bits its GEMM reads (one kernel)."""
@@ -162,10 +297,14 @@ class Prefill:
         cache rows 0..start+T-1 of layer n (k_bits/v_bits: this pass's rows start.., as written).
         pos (GPU): a graph's dynamic start and fixed key count instead of `start`."""
         cp, c = self.cp, self.m.config
-        T, NKV, G, D = q.shape[0], c.num_key_value_heads, c.group_size, c.head_dim
+        NKV, G, D = c.num_key_value_heads, c.group_size, c.head_dim
+        T = q.shape[1] if q.ndim == 4 else q.shape[0]  # (4-d: _rope_bits' [NKV, T, G, D] bits)
         scale = 1.0 / math.sqrt(D)
         if self.blas is not None:
-            qb = cp.ascontiguousarray(self.narrow(q.reshape(T, NKV, G, D).transpose(1, 0, 2, 3)))
+            if q.ndim == 4:
+                qb = q
+            else:
+                qb = cp.ascontiguousarray(self.narrow(q.reshape(T, NKV, G, D).transpose(1, 0, 2, 3)))
             dyn = None if pos is None else pos.dyn
             out = self.blas.causal_attention(qb, self.m.k_cache[n], self.m.v_cache[n], self.m.k_cache.shape[2], G, scale,
                                              q_offset=0 if dyn is not None else start,
@@ -281,8 +420,9 @@ class Prefill:
         H, Q, KV, I, D = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim
         NH, NKV = c.num_attention_heads, c.num_key_value_heads
         x = self._f32(w["embed"][ids_d])  # [T, H]
+        fused = self._fusable()
         for n in range(c.num_hidden_layers):
-            qkv = self._linear(self._rms(x, w["ln1"][n]), w.get("w_qkv_prefill", w["w_qkv"])[n], H)  # mma: own copy
+            qkv = self._linear(self._rms_bits(x, w["ln1"][n]), w.get("w_qkv_prefill", w["w_qkv"])[n], H)  # mma: own copy
             if c.qkv_bias:
                 qkv += w["qkv_bias"][n]
             q = qkv[:, :Q].reshape(T, NH, D)
@@ -291,14 +431,18 @@ class Prefill:
             if c.qk_norm:
                 q = self._rms(q, w["q_norm"][n])
                 k = self._rms(k, w["k_norm"][n])
-            k_bits = self.narrow(self._rope_at(k, pos))
-            v_bits = self.narrow(v)
-            self._store_kv(n, k_bits, v_bits, pos)
-            attn = self._attention(self._rope_at(q, pos), k_bits, v_bits, n, pos.start, pos)
-            x += self._linear(attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
+            if fused:  # (the GPU attention reads keys and values from the cache)
+                self._store_kv_f32(n, k, v, pos)
+                attn = self._attention(self._rope_bits(q, pos), None, None, n, pos.start, pos)
+            else:
+                k_bits = self.narrow(self._rope_at(k, pos))
+                v_bits = self.narrow(v)
+                self._store_kv(n, k_bits, v_bits, pos)
+                attn = self._attention(self._rope_at(q, pos), k_bits, v_bits, n, pos.start, pos)
+            self._linear_add(x, attn, w.get("w_o_prefill", w["w_o"])[n], Q)  # fused_attn_o: own copy
             if c.o_bias:
                 x += w["o_bias"][n]
-            gu = self._linear(self._rms(x, w["ln2"][n]), w.get("w_gu_prefill", w["w_gu"])[n].reshape(2 * I, -1), H
+            gu = self._linear(self._rms_bits(x, w["ln2"][n]), w.get("w_gu_prefill", w["w_gu"])[n].reshape(2 * I, -1), H
                               ).reshape(T, I, 2)
-            x += self._linear(self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
+            self._linear_add(x, self._silu_up(gu), w.get("w_dn_prefill", w["w_dn"])[n], I)  # fused_mlp: own copy
         return x

@@ -215,9 +215,10 @@ class MmaGemm:
             return
         self.launch(plan, a, b, out)
 
-    def linear(self, x_bits, w, k: int):
-        """x_bits [T, k] uint16 (rows contiguous) . w[:, :k]^T -> new float32 [T, N]; w uint16 [N, ldw]
-        with contiguous rows and ldw >= k (a view into a padded weight buffer is fine)."""
+    def linear_parts(self, x_bits, w, k: int):
+        """x_bits [T, k] uint16 (rows contiguous) . w[:, :k]^T -> new float32 [splits, T, N]: the product split
+        along K when its grid is small (k_splits; splits = 1: the whole product), parts summed by the caller
+        (in split order); w uint16 [N, ldw] with contiguous rows and ldw >= k (a view into a padded buffer)."""
         if len(x_bits.shape) != 2 or len(w.shape) != 2:
             raise ValueError(f"x_bits [T, K] and w [N, ldw] must be 2-d, got {tuple(x_bits.shape)}, {tuple(w.shape)}")
         if int(x_bits.shape[1]) != int(k) or int(w.shape[1]) < int(k):
@@ -225,14 +226,19 @@ class MmaGemm:
                              f"and w [N, >= {k}]")
         t, n = int(x_bits.shape[0]), int(w.shape[0])
         splits = k_splits(t, n, k) if x_bits.strides[1] == 2 and w.strides[1] == 2 else 1
-        if splits == 1:
-            out = self.cp.empty((t, n), self.cp.float32)
-            self.gemm(x_bits[None], w[None, :, :k], out[None], trans_b=True)
-            return out
         parts = self.cp.empty((splits, t, n), self.cp.float32)  # [split, T, N]
-        a, b = split_views(self.cp, x_bits, w, k, splits)
-        self.gemm(a, b, parts, trans_b=True)
-        return parts.sum(axis=0)  # (a fixed order per element: deterministic)
+        if splits == 1:
+            self.gemm(x_bits[None], w[None, :, :k], parts, trans_b=True)
+        else:
+            a, b = split_views(self.cp, x_bits, w, k, splits)
+            self.gemm(a, b, parts, trans_b=True)
+        return parts
+
+    def linear(self, x_bits, w, k: int):
+        """x_bits [T, k] uint16 (rows contiguous) . w[:, :k]^T -> float32 [T, N] (linear_parts, summed in
+        split order: deterministic)."""
+        parts = self.linear_parts(x_bits, w, k)
+        return parts[0] if parts.shape[0] == 1 else parts.sum(axis=0)
 
     def warm(self) -> None:
         """Launch every kernel once on tiny operands (and wait): a kernel's first launch loads it, and
