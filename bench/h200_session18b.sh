@@ -33,8 +33,9 @@ PY
 echo "best prefetch (fused) $best" >> "$OUT/summary.txt"
 MK_PG_PREFETCH=$best stage tr 130 python3 -m pytest -q -m gpu $PT -p no:cacheprovider tests/test_monokernel_resident_gpu.py
 MK_PG_PREFETCH=$best stage ts 60 python3 -m pytest -q -m gpu $PT -p no:cacheprovider tests/test_monokernel_sessions_gpu.py
+MK_PG_PREFETCH=$best stage tm 90 python3 -m pytest -q -m gpu $PT -p no:cacheprovider tests/test_monokernel_gpu.py
 MK_PG_PREFETCH=$best stage r8 170 python3 bench/batch.py --presets llama-3.2-1b --builds 8 --resident --peer --out /tmp/r8
-{ echo "total ${SECONDS}s"; for s in gt tg tr ts; do echo "$s: $(grep -E 'passed|failed' "$OUT/$s.log" | tail -n 1)"; done
+{ echo "total ${SECONDS}s"; for s in gt tg tr ts tm; do echo "$s: $(grep -E 'passed|failed' "$OUT/$s.log" | tail -n 1)"; done
   for f in /tmp/pb_f*/prefill_beside.json; do python3 -c "
 import json; d=json.load(open('$f')); b=d['beside']; i=d['idle']
 print('fused', d.get('fused'), 'pf', d['prefetch_steps'], '| replay beside', b['graph_replay_ms'], 'idle', i['graph_replay_ms'], '| eager beside', b['forward_ms'], 'kernels', b['kernels_wrapped'], '| running tok/s quiet', b.get('running_tok_s_quiet'), 'during', b.get('running_tok_s_during_replays'))" 2>&1 | tail -n 1; done
