@@ -1,7 +1,6 @@
 """Where a join's prefill spends its time beside a running resident launch, op by op (issue 9: a joiner's TTFT).
 
     python bench/prefill_beside_probe.py [--tokens 32] [--reps 5] [--out DIR]
-    MK_PG_PREFETCH=16 python bench/prefill_beside_probe.py ...   (the join GEMM's L2 prefetch distance)
     MK_PREFILL_FUSED=0 python bench/prefill_beside_probe.py ...  (the unfused norm / RoPE / KV-store passes)
 
 Session 17 measured a 32-token join prefill at ~9 ms beside a resident B = 8 launch of llama-3.2-1b (7 running)
@@ -152,10 +151,8 @@ def main() -> None:
     for t in threads:
         t.start()
     time.sleep(0.05)
-    from replicas.monokernel_blas import _mma
-
     out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(gens),
-           "prefetch_steps": _mma(cp).prefetch_steps, "fused": eng._prefill[7].fused}
+           "fused": eng._prefill[7].fused}
     launches = eng.launches
     out["beside"] = measure(cp, eng, 7, ids, args.reps, lambda: sum(seen))  # slot 7: free while 0..6 decode
     # the same launch ran throughout (no relaunch) and still runs

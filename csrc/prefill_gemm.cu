@@ -12,9 +12,6 @@
 // M, N, K >= 1 work. VA / VB: the 16-byte cp.async path (the host checks 16-byte aligned base and row /
 // batch strides that are multiples of 8 elements); otherwise a bounds-checked 2-byte load path.
 // fp32 accumulation in one fixed order per output (no split-K): deterministic.
-// PF > 0 (B as [N, K] on the 16-byte path): each block also asks L2 for its weight rows PF k steps beyond the
-// pipeline (cp.async.bulk.prefetch.L2). Beside a resident kernel HBM serves each SM about in proportion to
-// the bytes it keeps in flight, the pipeline's shared memory bounds those, and an L2 prefetch holds none.
 //
 // -DPG_EMU builds it for the CPU emulator (csrc/emu/cuda_on_cpu.h, tests/test_prefill_gemm_cpu.py):
 // the PTX operations then run as C++ with the documented semantics, and pg_emu_launch is the entry.
@@ -38,7 +35,6 @@ struct Args {
   long long lda, sa, ldb, sb, ldc, sc;  // row and batch strides, in elements
   float alpha;
   int vec_c;  // C base 8-byte aligned, ldc and sc even: float2 stores
-  int pf;     // L2 prefetch distance of B's rows in k steps beyond the pipeline (0: none; TB and VB only)
 };
 
 template <int MI>
@@ -89,23 +85,6 @@ inline void mma(float (&d)[4], const unsigned (&a)[4], const unsigned* b) {
   mk_emu_mma_16816(d, make_uint4(a[0], a[1], a[2], a[3]), make_uint2(b[0], b[1]));
 }
 inline void st2(float* p, float x, float y) { p[0] = x; p[1] = y; }
-// A prefetch only warms L2; the emulator records its byte ranges so tests can check they stay in B.
-struct PfLog {
-  long long calls = 0, bytes = 0;
-  uintptr_t lo = ~(uintptr_t)0, hi = 0;
-};
-inline PfLog& pf_log() {
-  static PfLog log;
-  return log;
-}
-inline void prefetch_l2(const unsigned short* src, int bytes) {
-  PfLog& l = pf_log();
-  const uintptr_t a = (uintptr_t)src;
-  l.calls++;
-  l.bytes += bytes;
-  l.lo = a < l.lo ? a : l.lo;
-  l.hi = a + bytes > l.hi ? a + bytes : l.hi;
-}
 #else
 __device__ __forceinline__ unsigned smem_u32(const void* p) {  // (inline PTX: no header needed under NVRTC)
   unsigned r;
@@ -137,14 +116,6 @@ __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], const
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 __device__ __forceinline__ void st2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
-// Ask L2 for `bytes` (a multiple of 16) at a 16-byte aligned global address; nothing waits for it.
-__device__ __forceinline__ void prefetch_l2(const unsigned short* src, int bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
-#else
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
-#endif
-}
 #endif
 
 // Byte offset of 16-byte chunk c of row r in a tile whose rows hold CHUNKS chunks (4: 32 k, 8: 64 n).
@@ -180,16 +151,6 @@ __device__ __forceinline__ void load_stage(unsigned char* stage, const Args& p, 
     load_tile<kBN, 4, VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.n, p.k, n0, k0, tid);
   else  // B as [K, N]: 32 rows of k, 64 n each
     load_tile<kBK, 8, VB>(stage + Tile<MI>::kABytes, b, p.ldb, p.k, p.n, k0, n0, tid);
-}
-
-// L2 prefetch of k steps [step0, step0 + steps) of the block's 64 B rows (B as [N, K], 16-byte aligned rows):
-// one contiguous range per row, from threads 0..63.
-__device__ __forceinline__ void prefetch_b(const Args& p, const unsigned short* b, int n0, int step0, int steps,
-                                           int tid) {
-  const int r = n0 + tid, k0 = step0 * kBK;
-  if (tid >= kBN || r >= p.n || k0 >= p.k) return;
-  const int bytes = (2 * (min(p.k, k0 + steps * kBK) - k0)) & ~15;
-  if (bytes > 0) prefetch_l2(b + r * p.ldb + k0, bytes);
 }
 
 // The MMAs of one staged k tile: two k16 steps, each MI x 4 mma per warp.
@@ -250,8 +211,6 @@ __device__ __forceinline__ void gemm_block(const Args& p, unsigned bid) {
   // Pipeline: tile kt lives in stage kt % kStages. One commit group per tile (empty ones included, so
   // wait_group<kStages - 2> at iteration kt always means "tile kt has landed").
   const int ktiles = (p.k + kBK - 1) / kBK;
-  const bool pf = TB && VB && p.pf > 0;
-  if (pf) prefetch_b(p, b, n0, T::kStages - 1, p.pf, tid);
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; s++) {
     if (s < ktiles) load_stage<MI, TB, VA, VB>(smem + s * T::kStageBytes, p, a, b, m0, n0, s, tid);
@@ -263,7 +222,6 @@ __device__ __forceinline__ void gemm_block(const Args& p, unsigned bid) {
     const int next = kt + T::kStages - 1;
     if (next < ktiles) load_stage<MI, TB, VA, VB>(smem + (next % T::kStages) * T::kStageBytes, p, a, b, m0, n0, next, tid);
     cp_commit();
-    if (pf) prefetch_b(p, b, n0, next + p.pf, 1, tid);
     compute_stage<MI, TB>(smem + (kt % T::kStages) * T::kStageBytes, acc, wm, wn, lane);
   }
 
@@ -299,8 +257,8 @@ __device__ __forceinline__ void gemm_block(const Args& p, unsigned bid) {
 #define PG_KERNEL(MI, TB, VA, VB)                                                                              \
   extern "C" __global__ void __launch_bounds__(pg::kThreads) pg_gemm_m##MI##_t##TB##_a##VA##_b##VB(           \
       const unsigned short* a, const unsigned short* b, float* c, int m, int n, int k, long long lda,           \
-      long long sa, long long ldb, long long sb, long long ldc, long long sc, float alpha, int vec_c, int pf) {  \
-    const pg::Args p{a, b, c, m, n, k, lda, sa, ldb, sb, ldc, sc, alpha, vec_c, pf};                          \
+      long long sa, long long ldb, long long sb, long long ldc, long long sc, float alpha, int vec_c) {        \
+    const pg::Args p{a, b, c, m, n, k, lda, sa, ldb, sb, ldc, sc, alpha, vec_c};                              \
     pg::gemm_block<MI, TB != 0, VA != 0, VB != 0>(p, blockIdx.x);                                            \
   }
 #define PG_KERNELS_MI(MI) \
@@ -332,10 +290,10 @@ static void pg_emu_block(const PgEmuLaunch& l) {
 }
 extern "C" int pg_emu_launch(int mi, int tb, int va, int vb, const void* a, const void* b, void* c, int m, int n,
                              int k, long long lda, long long sa, long long ldb, long long sb, long long ldc,
-                             long long sc, float alpha, int vec_c, int pf, unsigned blocks,
-                             unsigned long long smem, unsigned long long max_switches) {
+                             long long sc, float alpha, int vec_c, unsigned blocks, unsigned long long smem,
+                             unsigned long long max_switches) {
   const PgEmuLaunch l{{(const unsigned short*)a, (const unsigned short*)b, (float*)c, m, n, k, lda, sa, ldb, sb,
-                       ldc, sc, alpha, vec_c, pf},
+                       ldc, sc, alpha, vec_c},
                       mi, tb, va, vb};
   auto run = [](const void* q) {
     const PgEmuLaunch& x = *static_cast<const PgEmuLaunch*>(q);
@@ -344,15 +302,6 @@ extern "C" int pg_emu_launch(int mi, int tb, int va, int vb, const void* a, cons
     else pg_emu_block<4>(x);
   };
   return mk_emu::run(run, &l, blocks, pg::kThreads, smem, 256 << 10, max_switches);
-}
-// The prefetches since the last call: calls, bytes, lowest address, end of the highest range; then cleared.
-extern "C" void pg_emu_prefetch_log(long long* out) {
-  pg::PfLog& l = pg::pf_log();
-  out[0] = l.calls;
-  out[1] = l.bytes;
-  out[2] = (long long)l.lo;
-  out[3] = (long long)l.hi;
-  l = pg::PfLog();
 }
 extern "C" int pg_emu_smem_bytes(int mi) {
   return mi == 1 ? pg::Tile<1>::kSmemBytes : mi == 2 ? pg::Tile<2>::kSmemBytes : pg::Tile<4>::kSmemBytes;

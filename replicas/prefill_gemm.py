@@ -16,7 +16,6 @@ so CI can test it with numpy arrays; CuPy is only ever the `cp` handed to MmaGem
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,24 +46,6 @@ def smem_bytes(mi: int) -> int:
 # bytes they keep in flight, and a grid of 32 blocks (down, o at T <= 32 on 1B) kept a quarter of what 128 do.
 SPLIT_K_BLOCKS = 128
 
-# L2 prefetch distance of a weight operand's rows, in k steps beyond the cp.async pipeline (0: none; only
-# B as [N, K] on the 16-byte path). Same reason: bytes in flight, without the shared memory they would take.
-# MK_PG_PREFETCH overrides it per process (for A/B runs).
-PREFETCH_STEPS = 0
-
-
-def prefetch_steps_default() -> int:
-    raw = os.environ.get("MK_PG_PREFETCH", "").strip()
-    if not raw:
-        return PREFETCH_STEPS
-    try:
-        steps = int(raw)
-    except ValueError:
-        raise ValueError(f"MK_PG_PREFETCH must be a whole number of k steps (0: off), got {raw!r}") from None
-    if not 0 <= steps <= 4096:
-        raise ValueError(f"MK_PG_PREFETCH must be within 0..4096 k steps, got {steps}")
-    return steps
-
 
 def pick_mi(m: int) -> int:
     """Block tile rows: the smallest of 32 / 64 / 128 that covers M (128 beyond: fewer B re-reads)."""
@@ -94,7 +75,7 @@ def split_views(xp, x_bits, w, k: int, splits: int):
 @dataclass(frozen=True)
 class Plan:
     """One launch: kernel name, grid (1-D, blocks of THREADS), shared memory and the argument values
-    after the three pointers (m, n, k, lda, sa, ldb, sb, ldc, sc, alpha, vec_c, pf)."""
+    after the three pointers (m, n, k, lda, sa, ldb, sb, ldc, sc, alpha, vec_c)."""
 
     name: str
     mi: int
@@ -114,7 +95,6 @@ class Plan:
     sc: int
     alpha: float
     vec_c: bool
-    pf: int = 0
 
 
 def data_ptr(x) -> int:
@@ -143,10 +123,9 @@ def _elem_strides(name: str, x, dtype, itemsize: int) -> tuple[int, int]:
     return strides[0] // itemsize, strides[1] // itemsize
 
 
-def plan_gemm(a, b, out, *, trans_b: bool, alpha: float = 1.0, prefetch_steps: int = 0) -> Plan | None:
+def plan_gemm(a, b, out, *, trans_b: bool, alpha: float = 1.0) -> Plan | None:
     """Check the operands of out[z] = alpha * a[z] @ op(b[z]) and choose the launch; None: nothing to
-    launch (an empty output, or K == 0 where the caller zero-fills). prefetch_steps: PREFETCH_STEPS's
-    meaning; kept only where the kernel prefetches (trans_b on the 16-byte path)."""
+    launch (an empty output, or K == 0 where the caller zero-fills)."""
     sa, lda = _elem_strides("a", a, np.uint16, 2)
     sb, ldb = _elem_strides("b", b, np.uint16, 2)
     sc, ldc = _elem_strides("out", out, np.float32, 4)
@@ -173,19 +152,15 @@ def plan_gemm(a, b, out, *, trans_b: bool, alpha: float = 1.0, prefetch_steps: i
     vec_a = data_ptr(a) % 16 == 0 and lda % 8 == 0 and (batch == 1 or sa % 8 == 0)
     vec_b = data_ptr(b) % 16 == 0 and ldb % 8 == 0 and (batch == 1 or sb % 8 == 0)
     vec_c = data_ptr(out) % 8 == 0 and ldc % 2 == 0 and (batch == 1 or sc % 2 == 0)
-    if prefetch_steps < 0:
-        raise ValueError(f"prefetch_steps must be >= 0, got {prefetch_steps}")
-    pf = int(prefetch_steps) if trans_b and vec_b else 0
     return Plan(kernel_name(mi, trans_b, vec_a, vec_b), mi, bool(trans_b), vec_a, vec_b, blocks, smem_bytes(mi),
-                m, n, k, lda, sa, ldb, sb, ldc, sc, float(alpha), vec_c, pf)
+                m, n, k, lda, sa, ldb, sb, ldc, sc, float(alpha), vec_c)
 
 
 class MmaGemm:
     """The compiled kernels (one NVRTC module) and their launches on the current CuPy stream."""
 
-    def __init__(self, cp, prefetch_steps: int | None = None):
+    def __init__(self, cp):
         self.cp = cp
-        self.prefetch_steps = prefetch_steps_default() if prefetch_steps is None else int(prefetch_steps)
         self.module = cp.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
         self._fns: dict = {}
 
@@ -199,7 +174,7 @@ class MmaGemm:
         p = plan
         args = (a, b, out, np.int32(p.m), np.int32(p.n), np.int32(p.k), np.int64(p.lda), np.int64(p.sa),
                 np.int64(p.ldb), np.int64(p.sb), np.int64(p.ldc), np.int64(p.sc), np.float32(p.alpha),
-                np.int32(p.vec_c), np.int32(p.pf))
+                np.int32(p.vec_c))
         self._fn(p.name)((p.blocks,), (THREADS,), args, shared_mem=p.smem)
 
     def gemm(self, a, b, out, *, trans_b: bool, alpha: float = 1.0) -> None:
@@ -208,7 +183,7 @@ class MmaGemm:
         for name, x in (("a", a), ("b", b), ("out", out)):
             if not isinstance(x, self.cp.ndarray):
                 raise ValueError(f"{name} must be a CuPy array, got {type(x).__name__}")
-        plan = plan_gemm(a, b, out, trans_b=trans_b, alpha=alpha, prefetch_steps=self.prefetch_steps)
+        plan = plan_gemm(a, b, out, trans_b=trans_b, alpha=alpha)
         if plan is None:
             if out.size:
                 out.fill(0)  # K == 0: empty sums
@@ -251,6 +226,5 @@ class MmaGemm:
                 for va in (False, True):
                     for vb in (False, True):
                         self.launch(Plan(kernel_name(mi, t, va, vb), mi, t, va, vb, 1, smem_bytes(mi), 8, 8, 8,
-                                         16, 0, 16, 0, 16, 0, 1.0, True, self.prefetch_steps if t and vb else 0),
-                                    bits, bits, out)
+                                         16, 0, 16, 0, 16, 0, 1.0, True), bits, bits, out)
         cp.cuda.get_current_stream().synchronize()

@@ -156,3 +156,41 @@ def test_add_parts_sums_in_split_order_into_the_residual(emu, splits):
     got = x.copy()
     assert emu.emu_add_parts(ptr(got), ptr(parts), splits, x.size) == 0
     assert np.array_equal(got, want)
+
+
+def test_every_fused_kernel_is_loaded_by_a_no_work_launch(emu):
+    """_loaded_module launches each _FUSED kernel once so that none first loads beside a resident launch (lazy
+    loading): every extern "C" kernel has no-work arguments, of its parameter count, and under them the kernel
+    returns without touching memory (null pointers here: a touch would crash the emulator)."""
+    import re
+
+    names = re.findall(r'extern "C" __global__ void (\w+)\(', mp._FUSED)
+    args = mp._no_work_args()
+    assert sorted(names) == sorted(args)
+    for name in names:
+        params = re.search(name + r"\(([^)]*)\)", mp._FUSED).group(1)
+        assert len(args[name]) == params.count(",") + 1, name
+    assert emu.emu_add_parts(None, None, 1, 0) == 0
+    assert emu.emu_store_f32(None, 0, None, None, None, 1, 1, 1, 0, None, 0, 0) == 0
+    assert emu.emu_rope_bits(None, 0, None, None, None, 1, 1, 2, 0, None, 0) == 0
+    assert emu.emu_rope_rows(None, None, None, None, 1, 2, 0, None, 0) == 0
+    assert emu.emu_store_bits(None, None, 1, 1, 1, 0, None, 0, 0) == 0
+    assert emu.emu_rms(None, None, None, 0, 1.0, 1) == 0 and emu.emu_rms(None, None, None, 0, 1.0, 0) == 0
+
+
+def test_the_module_is_loaded_with_every_kernel_launched():
+    """_loaded_module on a stand-in CuPy: each kernel fetched and launched once with its no-work arguments."""
+    from types import SimpleNamespace
+
+    launched = []
+
+    class Module:
+        def __init__(self, code):
+            assert code == mp._FUSED
+
+        def get_function(self, name):
+            return lambda grid, block, args: launched.append((name, grid, block, len(args)))
+
+    mp._loaded_module(SimpleNamespace(RawModule=Module))
+    assert sorted(n for n, *_ in launched) == sorted(mp._no_work_args())
+    assert all(grid == (1,) and block == (32,) for _, grid, block, _ in launched)

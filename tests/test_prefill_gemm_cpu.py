@@ -125,19 +125,18 @@ def emu(tmp_path_factory):
     lib = build_emulated(tmp_path_factory.mktemp("pg_emu"), "pg_emu", pg.SOURCE.read_text(), ("-DPG_EMU",))
     P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.pg_emu_launch.restype = I
-    lib.pg_emu_launch.argtypes = [I, I, I, I, P, P, P, I, I, I, LL, LL, LL, LL, LL, LL, ctypes.c_float, I, I,
+    lib.pg_emu_launch.argtypes = [I, I, I, I, P, P, P, I, I, I, LL, LL, LL, LL, LL, LL, ctypes.c_float, I,
                                   ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_ulonglong]
     lib.pg_emu_smem_bytes.restype = I
-    lib.pg_emu_prefetch_log.argtypes = [ctypes.POINTER(ctypes.c_longlong)]
     return lib
 
 
-def emu_gemm(lib, a, b, out, *, trans_b, alpha=1.0, prefetch_steps=0) -> pg.Plan:
+def emu_gemm(lib, a, b, out, *, trans_b, alpha=1.0) -> pg.Plan:
     """MmaGemm.gemm's launch, run by the emulator on numpy arrays."""
-    p = pg.plan_gemm(a, b, out, trans_b=trans_b, alpha=alpha, prefetch_steps=prefetch_steps)
+    p = pg.plan_gemm(a, b, out, trans_b=trans_b, alpha=alpha)
     rc = lib.pg_emu_launch(p.mi, int(p.trans_b), int(p.vec_a), int(p.vec_b), pg.data_ptr(a), pg.data_ptr(b),
                            pg.data_ptr(out), p.m, p.n, p.k, p.lda, p.sa, p.ldb, p.sb, p.ldc, p.sc, p.alpha,
-                           int(p.vec_c), p.pf, p.blocks, p.smem, 10**9)
+                           int(p.vec_c), p.blocks, p.smem, 10**9)
     assert rc == 0, "emulated kernel deadlocked"
     return p
 
@@ -217,11 +216,7 @@ def test_source_compiles_for_sm90a_with_the_named_kernels(tmp_path):
     ptx = (tmp_path / "x.ptx").read_text()
     entries = {line.split(".entry")[1].strip().split("(")[0] for line in ptx.splitlines() if ".entry" in line}
     assert entries == set(pg.KERNELS)
-    # what would tie it to free SMs (a bulk copy into shared memory needs mbarriers; the weight rows' L2
-    # prefetch is the one bulk operation, it only warms L2)
-    lines = [line for line in ptx.splitlines() if "cp.async.bulk" in line]
-    assert lines and all("cp.async.bulk.prefetch.L2.global" in line for line in lines)
-    for banned in ("wgmma", "mbarrier", "cluster", "setmaxnreg"):
+    for banned in ("wgmma", "cp.async.bulk", "cluster", "setmaxnreg"):  # what would tie it to free SMs
         assert banned not in ptx
 
 
@@ -359,59 +354,3 @@ def test_emulated_split_k_linear_matches_float64(emu):
     for z in range(splits):  # each batch entry is its own slice of K
         check(parts[z], as_f64(x[:, z * ks:(z + 1) * ks]) @ as_f64(w[:, z * ks:(z + 1) * ks]).T, ks)
     check(parts.sum(axis=0), as_f64(x) @ as_f64(w[:, :k]).T, k)
-
-
-def prefetch_log(lib) -> tuple[int, int, int, int]:
-    out = (ctypes.c_longlong * 4)()
-    lib.pg_emu_prefetch_log(out)
-    return tuple(int(v) for v in out)
-
-
-@pytest.mark.parametrize("steps", [1, 3, 64])
-def test_emulated_l2_prefetch_stays_in_each_split_and_changes_nothing(emu, steps):
-    """The weight rows' L2 prefetch (PREFETCH_STEPS) on split-K views of padded rows: every range lies inside
-    its own batch entry's K part of B (a range past it would read another part's or the next row's bytes, or
-    past the buffer), each row's K beyond the pipeline is asked for (once, but for the 16-byte rounding of a
-    ragged last step), and the outputs are bit for bit those without it."""
-    rng = np.random.default_rng(5 + steps)
-    t, n, k = 3, 70, 2 * (12 * pg.BK + 8)  # 2 parts of 12 k steps and 8 of a 13th's 32 k
-    w = rand_bits(rng, (n, k + 8))
-    x = rand_bits(rng, (t, k))
-    a, b = pg.split_views(np, x, w, k, 2)
-    base = np.full((2, t, n), np.nan, np.float32)
-    emu_gemm(emu, a, b, base, trans_b=True)
-    assert prefetch_log(emu)[0] == 0
-    got = np.full((2, t, n), np.nan, np.float32)
-    p = emu_gemm(emu, a, b, got, trans_b=True, prefetch_steps=steps)
-    calls, nbytes, lo, hi = prefetch_log(emu)
-    assert p.pf == steps and calls > 0
-    np.testing.assert_array_equal(got, base)
-    ks = k // 2
-    start = pg.data_ptr(w)
-    assert lo >= start + 2 * (3 * pg.BK) and hi <= start + w.nbytes  # nothing before step 3 of row 0 or past w
-    # per row and part: the K beyond the 3 k steps the pipeline loads first (M = 3: 4 stages) = ks - 3 BK
-    assert nbytes == n * 2 * (2 * (ks - 3 * pg.BK))
-    # every range within its part: rebuild them from the kernel's rule and compare with the log's bounds
-    ends = [start + 2 * (r * (k + 8) + z * ks + ks) for r in range(n) for z in range(2)]
-    assert hi == max(ends)
-
-
-def test_prefetch_is_planned_only_where_the_kernel_prefetches():
-    """plan_gemm keeps prefetch_steps only for B as [N, K] on the 16-byte path; a negative one is refused, and
-    MK_PG_PREFETCH must be a whole number."""
-    assert pg.plan_gemm(bits(1, 32, 64), bits(1, 64, 64), out32(1, 32, 64), trans_b=True, prefetch_steps=8).pf == 8
-    assert pg.plan_gemm(bits(1, 32, 64), bits(1, 64, 64), out32(1, 32, 64), trans_b=False, prefetch_steps=8).pf == 0
-    odd = bits(1, 64, 70)[:, :, :68]  # row stride 70 elements: not 16-byte rows, the 2-byte path
-    assert pg.plan_gemm(bits(1, 32, 68), odd, out32(1, 32, 64), trans_b=True, prefetch_steps=8).pf == 0
-    with pytest.raises(ValueError, match="prefetch_steps must be >= 0"):
-        pg.plan_gemm(bits(1, 32, 64), bits(1, 64, 64), out32(1, 32, 64), trans_b=True, prefetch_steps=-1)
-
-
-def test_prefetch_env_override(monkeypatch):
-    monkeypatch.setenv("MK_PG_PREFETCH", "24")
-    assert pg.prefetch_steps_default() == 24
-    monkeypatch.setenv("MK_PG_PREFETCH", "lots")
-    with pytest.raises(ValueError, match="MK_PG_PREFETCH must be a whole number"):
-        pg.prefetch_steps_default()
-    monkeypatch.delenv("MK_PG_PREFETCH")
-    assert pg.prefetch_steps_default() == pg.PREFETCH_STEPS
