@@ -207,9 +207,11 @@ class Prefill:
         self.m = model
         self.blas = None
         self.graphs = None
-        # GPU: the norm's, RoPE's and KV store's outputs written as the bf16 bits their readers take, and the
-        # split-K parts summed into the residual, in fused kernels (fewer kernels: beside a resident launch each
-        # one pays several ~6 us memory round trips). MK_PREFILL_FUSED=0: the unfused passes (A/B).
+        # MK_PREFILL_FUSED=1 (GPU; off by default): the norm's, RoPE's and KV store's outputs written as the bf16
+        # bits their readers take, and split-K parts summed into the residual, in fused kernels: 337 -> 177 ops,
+        # a 32-token join prefill beside a resident launch -7..9%, idle -13..14% (bench/RESULTS.md session 18). Off
+        # because with it a session's suffix join beside a resident launch waited for the launch (the stall
+        # guard's relaunch; tests/test_monokernel_resident_gpu.py, twice), and the cause is not found yet.
         self.fused = False
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
@@ -229,7 +231,7 @@ class Prefill:
             self._rope_bits_k = k["module"].get_function("mk_rope_bits")
             self._store_f32_k = k["module"].get_function("mk_store_kv_f32")
             self._add_parts_k = k["module"].get_function("mk_add_parts")
-            self.fused = os.environ.get("MK_PREFILL_FUSED", "1") != "0"
+            self.fused = os.environ.get("MK_PREFILL_FUSED", "0") == "1"
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
             if graphs:
