@@ -194,3 +194,14 @@ def test_the_module_is_loaded_with_every_kernel_launched():
     mp._loaded_module(SimpleNamespace(RawModule=Module))
     assert sorted(n for n, *_ in launched) == sorted(mp._no_work_args())
     assert all(grid == (1,) and block == (32,) for _, grid, block, _ in launched)
+
+
+def test_source_compiles_for_sm90a(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not installed")
+    r = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-c", "-o", str(tmp_path / "x.o"), str(mp.FUSED_SOURCE)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
