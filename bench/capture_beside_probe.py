@@ -80,21 +80,10 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
-    from bench.decode import random_tensors
-    from replicas.checkpoint import preset_config
-    from replicas.engine import SamplingParams
-    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from bench.prefill_beside_probe import Running
 
-    config = preset_config("llama-3.2-1b")
-    eng = BatchedMonokernelEngine(config, random_tensors(cp, config), batch=8, max_context=2048, resident=True)
-    ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(7)]
-    gens = [eng.generate(p, SamplingParams(max_tokens=8192, ignore_eos=True)) for p in ps]
-    for g in gens:
-        next(g)
-    threads = [threading.Thread(target=lambda g=g: [None for _ in g], daemon=True) for g in gens]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
+    run = Running(cp)
+    eng = run.eng
     out = {"join_mode": eng._joiner.mode if eng._joiner else None, "fused": eng._prefill[7].fused, "beside": []}
     for start, new in SHAPES:
         launches = eng.launches
@@ -102,10 +91,7 @@ def main() -> None:
         row["same_launch_after"] = eng.launches == launches and bool(eng._resident_launch)
         out["beside"].append(row)
         print(json.dumps(row), flush=True)
-    for g in gens:
-        g.cancel()
-    for t in threads:
-        t.join(10)
+    run.stop()
     print(json.dumps(out, indent=1), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

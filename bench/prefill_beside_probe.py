@@ -121,6 +121,43 @@ def measure(cp, eng, slot: int, ids, reps: int, tokens_seen=None) -> dict:
     return res
 
 
+class Running:
+    """llama-3.2-1b (random weights) in a resident B = 8 engine with `n` requests decoding (slots 0..n-1), each drained
+    by a thread of its own; seen() counts their tokens so far, stop() cancels them."""
+
+    def __init__(self, cp, n: int = 7, max_tokens: int = 8192):
+        from bench.decode import random_tensors
+        from replicas.checkpoint import preset_config
+        from replicas.engine import SamplingParams
+        from replicas.monokernel_batched import BatchedMonokernelEngine
+
+        self.config = config = preset_config("llama-3.2-1b")
+        self.eng = BatchedMonokernelEngine(config, random_tensors(cp, config), batch=8, max_context=2048,
+                                           resident=True)
+        prompts = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(n)]
+        self.gens = [self.eng.generate(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+        for g in self.gens:
+            next(g)
+        self.tokens = [0] * n  # per request (one writer each)
+        self.threads = [threading.Thread(target=self._drain, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.05)
+
+    def _drain(self, i: int) -> None:
+        for _ in self.gens[i]:
+            self.tokens[i] += 1
+
+    def seen(self) -> int:
+        return sum(self.tokens)
+
+    def stop(self) -> None:
+        for g in self.gens:
+            g.cancel()
+        for t in self.threads:
+            t.join(10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=32)
@@ -129,38 +166,16 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
 
-    from bench.decode import random_tensors
-    from replicas.checkpoint import preset_config
-    from replicas.engine import SamplingParams
-    from replicas.monokernel_batched import BatchedMonokernelEngine
-
-    config = preset_config("llama-3.2-1b")
-    eng = BatchedMonokernelEngine(config, random_tensors(cp, config), batch=8, max_context=2048, resident=True)
-    ids = [(7 + 13 * i) % config.vocab_size for i in range(args.tokens)]
-    ps = [[(100 + 37 * k + i) % config.vocab_size for i in range(32)] for k in range(7)]
-    gens = [eng.generate(p, SamplingParams(max_tokens=4096, ignore_eos=True)) for p in ps]
-    for g in gens:
-        next(g)
-    seen = [0] * len(gens)  # tokens per running request (one writer each)
-
-    def consume(i, g):
-        for _ in g:
-            seen[i] += 1
-
-    threads = [threading.Thread(target=consume, args=(i, g), daemon=True) for i, g in enumerate(gens)]
-    for t in threads:
-        t.start()
-    time.sleep(0.05)
-    out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(gens),
+    run = Running(cp, max_tokens=4096)
+    eng = run.eng
+    ids = [(7 + 13 * i) % run.config.vocab_size for i in range(args.tokens)]
+    out = {"tokens": args.tokens, "join_mode": eng._joiner.mode if eng._joiner else None, "running": len(run.gens),
            "fused": eng._prefill[7].fused}
     launches = eng.launches
-    out["beside"] = measure(cp, eng, 7, ids, args.reps, lambda: sum(seen))  # slot 7: free while 0..6 decode
+    out["beside"] = measure(cp, eng, 7, ids, args.reps, run.seen)  # slot 7: free while 0..6 decode
     # the same launch ran throughout (no relaunch) and still runs
     out["beside"]["one_launch_throughout"] = eng.launches == launches and bool(eng._resident_launch)
-    for g in gens:
-        g.cancel()
-    for t in threads:
-        t.join(10)
+    run.stop()
     time.sleep(0.1)
     out["idle"] = measure(cp, eng, 7, ids, args.reps)
     print(json.dumps(out, indent=1), flush=True)

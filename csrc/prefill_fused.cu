@@ -59,18 +59,33 @@ extern "C" __global__ void mk_rope_rows(const float* __restrict__ x, const float
   const long long t = i / ((long long)heads * d) + (dyn_start ? *dyn_start : start);
   y[i] = mk_rope_at(x + (i - j), cs, sn, t, d, j);
 }
+// Element i of one pass's [T][nkv][d] rows -> its place in one layer's cache [nkv][ctx][d] at row start + t
+// (dyn = {start, count}, read when it runs: CUDA graphs). dst < 0: not stored (past total, or a padding row).
+struct MkKvRow {
+  long long t, pos, dst;  // row in the pass, its position (start + t), element index in the cache
+  int h, j;
+};
+__device__ __forceinline__ MkKvRow mk_kv_row(long long i, int nkv, int d, int ctx, long long total,
+                                             const int* __restrict__ dyn, int start, int count) {
+  MkKvRow r{0, 0, -1, 0, 0};
+  if (i >= total) return r;
+  if (dyn) { start = dyn[0]; count = dyn[1]; }
+  r.t = i / ((long long)nkv * d);
+  if (r.t >= count) return r;
+  r.h = (int)((i / d) % nkv);
+  r.j = (int)(i % d);
+  r.pos = start + r.t;
+  r.dst = ((long long)r.h * ctx + r.pos) * d + r.j;
+  return r;
+}
 extern "C" __global__ void mk_store_kv(const unsigned short* __restrict__ src, unsigned short* __restrict__ dst,
                                        int nkv, int d, int ctx, long long total, const int* __restrict__ dyn,
                                        int start, int count) {
   // src [T][nkv][d] bf16 bits -> one layer's cache dst [nkv][ctx][d], rows start..start+count-1 (rows of
-  // src past count are padding and not stored); dyn = {start, count} read when it runs (CUDA graphs).
+  // src past count are padding and not stored).
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  if (dyn) { start = dyn[0]; count = dyn[1]; }
-  const long long t = i / ((long long)nkv * d);
-  if (t >= count) return;
-  const int h = (int)((i / d) % nkv), j = (int)(i % d);
-  dst[((long long)h * ctx + start + t) * d + j] = src[i];
+  const MkKvRow r = mk_kv_row(i, nkv, d, ctx, total, dyn, start, count);
+  if (r.dst >= 0) dst[r.dst] = src[i];
 }
 extern "C" __global__ void mk_rope_bits(const float* __restrict__ x, long long ldx, const float* __restrict__ cs,
                                         const float* __restrict__ sn, unsigned short* __restrict__ y, int heads,
@@ -92,15 +107,10 @@ extern "C" __global__ void mk_store_kv_f32(const float* __restrict__ x, long lon
                                            int count) {
   // Keys (cs, sn: RoPE) or values (cs null): x rows t (stride ldx) of [nkv][d] fp32 -> bf16 bits (RNE) into one
   // layer's cache dst [nkv][ctx][d] at row start + t; what rope + narrow + mk_store_kv did in three passes.
-  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= total) return;
-  if (dyn) { start = dyn[0]; count = dyn[1]; }
-  const long long t = i / ((long long)nkv * d);
-  if (t >= count) return;
-  const int h = (int)((i / d) % nkv), j = (int)(i % d);
-  const float* xr = x + t * ldx + (long long)h * d;
-  const float v = cs ? mk_rope_at(xr, cs, sn, start + t, d, j) : xr[j];
-  dst[((long long)h * ctx + start + t) * d + j] = mk_bf16_rne(v);
+  const MkKvRow r = mk_kv_row((long long)blockIdx.x * blockDim.x + threadIdx.x, nkv, d, ctx, total, dyn, start, count);
+  if (r.dst < 0) return;
+  const float* xr = x + r.t * ldx + (long long)r.h * d;
+  dst[r.dst] = mk_bf16_rne(cs ? mk_rope_at(xr, cs, sn, r.pos, d, r.j) : xr[r.j]);
 }
 extern "C" __global__ void mk_add_parts(float* __restrict__ x, const float* __restrict__ parts, int splits,
                                         long long n) {

@@ -61,7 +61,7 @@ def _kernels(cp):
         silu_mul=cp.ElementwiseKernel("float32 gate, float32 up", "uint16 y",  # gu -> bf16 SiLU(gate) * up
                                       "float v = gate / (1.0f + expf(-gate)) * up; " + _BF16_RNE,
                                       "mk_silu_mul_bf16"),
-        module=_loaded_module(cp))
+        functions=_loaded_functions(cp))
 
 
 def _no_work_args() -> dict:
@@ -78,14 +78,16 @@ def _no_work_args() -> dict:
     }
 
 
-def _loaded_module(cp):
-    """The _FUSED module with every kernel launched once (doing nothing). Under CUDA's lazy loading each
+def _loaded_functions(cp) -> dict:
+    """The _FUSED module's kernels by name, each launched once (doing nothing). Under CUDA's lazy loading each
     function loads at its first launch, and a load during a resident launch waits for it to end: a kernel
     that only some prompt shapes use (mk_add_parts: only split-K linears) would first load inside a join."""
     module = cp.RawModule(code=_FUSED)
+    functions = {}
     for name, args in _no_work_args().items():
-        module.get_function(name)((1,), (32,), args)
-    return module
+        functions[name] = module.get_function(name)
+        functions[name]((1,), (32,), args)
+    return functions
 
 
 class Prefill:
@@ -119,14 +121,10 @@ class Prefill:
             k = _kernels(xp)
             self.widen, self.narrow, self._silu_mul = k["widen"], k["narrow"], k["silu_mul"]
             self.blas = Blas(xp)
-            self._rms_k = k["module"].get_function("mk_rms_rows")
-            self._rope_k = k["module"].get_function("mk_rope_rows")
-            self._store_k = k["module"].get_function("mk_store_kv")
-            # (all in the one module loaded above: nothing new loads beside a resident launch)
-            self._rms_bits_k = k["module"].get_function("mk_rms_rows_bits")
-            self._rope_bits_k = k["module"].get_function("mk_rope_bits")
-            self._store_f32_k = k["module"].get_function("mk_store_kv_f32")
-            self._add_parts_k = k["module"].get_function("mk_add_parts")
+            f = k["functions"]
+            self._rms_k, self._rope_k, self._store_k = f["mk_rms_rows"], f["mk_rope_rows"], f["mk_store_kv"]
+            self._rms_bits_k, self._rope_bits_k = f["mk_rms_rows_bits"], f["mk_rope_bits"]
+            self._store_f32_k, self._add_parts_k = f["mk_store_kv_f32"], f["mk_add_parts"]
             self.fused = os.environ.get("MK_PREFILL_FUSED", "0") == "1"
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
@@ -200,8 +198,9 @@ class Prefill:
                                                                  np.int64(total), dyn, np.int32(pos.start),
                                                                  np.int32(pos.count)))
 
-    def _fusable(self) -> bool:
-        """The fused passes' layout needs: contiguous per-layer KV caches and RoPE tables (as the graphs do)."""
+    def _fused_kv(self) -> bool:
+        """Whether the fused RoPE / KV-store passes run: they need contiguous per-layer KV caches and RoPE
+        tables (as the graphs do)."""
         m = self.m
         return (self.fused and m.k_cache[0].flags.c_contiguous and m.v_cache[0].flags.c_contiguous
                 and m.rope_cos.flags.c_contiguous and m.rope_sin.flags.c_contiguous)
@@ -342,7 +341,7 @@ class Prefill:
         H, Q, KV, I, D = c.hidden_size, c.q_dim, c.kv_dim, c.intermediate_size, c.head_dim
         NH, NKV = c.num_attention_heads, c.num_key_value_heads
         x = self._f32(w["embed"][ids_d])  # [T, H]
-        fused = self._fusable()
+        fused_kv = self._fused_kv()
         for n in range(c.num_hidden_layers):
             qkv = self._linear(self._rms_bits(x, w["ln1"][n]), w.get("w_qkv_prefill", w["w_qkv"])[n], H)  # mma: own copy
             if c.qkv_bias:
@@ -353,7 +352,7 @@ class Prefill:
             if c.qk_norm:
                 q = self._rms(q, w["q_norm"][n])
                 k = self._rms(k, w["k_norm"][n])
-            if fused:  # (the GPU attention reads keys and values from the cache)
+            if fused_kv:  # (the GPU attention reads keys and values from the cache)
                 self._store_kv_f32(n, k, v, pos)
                 attn = self._attention(self._rope_bits(q, pos), None, None, n, pos.start, pos)
             else:

@@ -159,7 +159,7 @@ def test_add_parts_sums_in_split_order_into_the_residual(emu, splits):
 
 
 def test_every_fused_kernel_is_loaded_by_a_no_work_launch(emu):
-    """_loaded_module launches each _FUSED kernel once so that none first loads beside a resident launch (lazy
+    """_loaded_functions launches each _FUSED kernel once so that none first loads beside a resident launch (lazy
     loading): every extern "C" kernel has no-work arguments, of its parameter count, and under them the kernel
     returns without touching memory (null pointers here: a touch would crash the emulator)."""
     import re
@@ -179,7 +179,7 @@ def test_every_fused_kernel_is_loaded_by_a_no_work_launch(emu):
 
 
 def test_the_module_is_loaded_with_every_kernel_launched():
-    """_loaded_module on a stand-in CuPy: each kernel fetched and launched once with its no-work arguments."""
+    """_loaded_functions on a stand-in CuPy: each kernel fetched and launched once with its no-work arguments."""
     from types import SimpleNamespace
 
     launched = []
@@ -191,7 +191,7 @@ def test_the_module_is_loaded_with_every_kernel_launched():
         def get_function(self, name):
             return lambda grid, block, args: launched.append((name, grid, block, len(args)))
 
-    mp._loaded_module(SimpleNamespace(RawModule=Module))
+    mp._loaded_functions(SimpleNamespace(RawModule=Module))
     assert sorted(n for n, *_ in launched) == sorted(mp._no_work_args())
     assert all(grid == (1,) and block == (32,) for _, grid, block, _ in launched)
 
