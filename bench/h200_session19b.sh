@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 9, session 19, second call (~3 min). Call 1: resident gpu tests 10/10 on the default (fused off); the capture
+# probe found no slow capture step, fused or not (pool unchanged, every step < 30 ms), but its launch was not the same
+# one afterwards, so it may not have run beside a launch. Session 18's failures were the *tiny* session test (third
+# of `..F....`). Hypothesis: a CuPy module compiled/loaded for the first time inside turn 2's prefill (fused only),
+# whose load waits for the running launch. This traces every CuPy module build with its thread, call site and
+# wall time, in the session test alone, fused then unfused, with the engine's warnings live.
+# Prediction: fused: a [module-load] line from thread mk-join-prefill during turn 2 (tiny), ~0.5 s before the
+# stall guard's warning; unfused: none from that thread after the engine's warm-up.
+#   run(kind="nvidia-h200", carry=[".whl"], timeout_s=300, command="DEADLINE=290 bash bench/h200_session19b.sh")
+set -u
+DEADLINE=${DEADLINE:-290}
+. bench/device_stage.sh
+LOGCLI="-o log_cli=true --log-cli-level=WARNING --log-cli-format=%(asctime)s.%(msecs)03d_%(name)s_%(message)s --log-cli-date-format=%H:%M:%S"
+for f in 1 0; do
+  MK_PREFILL_FUSED=$f stage ts_f$f 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
+    $LOGCLI tests/test_monokernel_resident_gpu.py -k sessions_turns_join
+done
+{ echo "total ${SECONDS}s"
+  for f in 1 0; do echo "== fused $f: $(grep -E 'passed|failed' "$OUT/ts_f$f.log" | tail -n 1)"
+    grep -E "module-load.*thread=[^M]|under way|turns took|PASSED|FAILED" "$OUT/ts_f$f.log" | cut -c1-400 | head -n 40; done; } >> "$OUT/summary.txt"
