@@ -5,17 +5,18 @@
 # of `..F....`). Hypothesis: a CuPy module compiled/loaded for the first time inside turn 2's prefill (fused only),
 # whose load waits for the running launch. This traces every CuPy module build with its thread, call site and
 # wall time, in the session test alone, fused then unfused, with the engine's warnings live.
-# Prediction: fused: a [module-load] line from thread mk-join-prefill during turn 2 (tiny), ~0.5 s before the
-# stall guard's warning; unfused: none from that thread after the engine's warm-up.
+# Call 2 found no module build during turn 2 (fused stalls 0.5 s on tiny, unfused passes); this call adds a watcher
+# printing the join worker's stack when it stays on one line for 150 ms (the blocking call).
+# Prediction: fused: one [stuck] stack inside PrefillGraphs._capture (a CUDA call in forward or end_capture); unfused: none.
 #   run(kind="nvidia-h200", carry=[".whl"], timeout_s=300, command="DEADLINE=290 bash bench/h200_session19b.sh")
 set -u
 DEADLINE=${DEADLINE:-290}
 . bench/device_stage.sh
 LOGCLI="-o log_cli=true --log-cli-level=WARNING --log-cli-format=%(asctime)s.%(msecs)03d_%(name)s_%(message)s --log-cli-date-format=%H:%M:%S"
-for f in 1 0; do
-  MK_PREFILL_FUSED=$f stage ts_f$f 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
-    $LOGCLI tests/test_monokernel_resident_gpu.py -k sessions_turns_join
+for f in 1; do
+  TRACE_STUCK=1 MK_PREFILL_FUSED=$f stage ts_f$f 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
+    $LOGCLI tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'
 done
 { echo "total ${SECONDS}s"
-  for f in 1 0; do echo "== fused $f: $(grep -E 'passed|failed' "$OUT/ts_f$f.log" | tail -n 1)"
-    grep -E "module-load.*thread=[^M]|under way|turns took|PASSED|FAILED" "$OUT/ts_f$f.log" | cut -c1-400 | head -n 40; done; } >> "$OUT/summary.txt"
+  for f in 1; do echo "== fused $f: $(grep -E 'passed|failed' "$OUT/ts_f$f.log" | tail -n 1)"
+    grep -E "module-load.*thread=[^M]|under way|stuck|File|^    |turns took|PASSED|FAILED" "$OUT/ts_f$f.log" | cut -c1-400 | head -n 150; done; } >> "$OUT/summary.txt"

@@ -52,8 +52,43 @@ def install() -> None:
     compiler._compile_module_with_cache = traced
 
 
+def watch_stuck(prefixes=("mk-join-prefill",), stuck_s: float = 0.15, every_s: float = 0.01) -> None:
+    """A daemon thread that prints the stack of any thread whose name starts with one of `prefixes` and that
+    stays on one line (a blocking call: a CUDA call waiting for the running launch) for `stuck_s` or more, once
+    per stay, with how long it stayed when it moves on."""
+    import sys
+
+    def loop():
+        seen: dict[int, tuple] = {}  # thread id -> (line key, first seen, printed)
+        while True:
+            time.sleep(every_s)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            frames = sys._current_frames()
+            now = time.perf_counter()
+            for ident, frame in frames.items():
+                name = names.get(ident, "")
+                if not name.startswith(prefixes):
+                    continue
+                key = (frame.f_code.co_filename, frame.f_lineno)
+                last = seen.get(ident)
+                if last is None or last[0] != key:
+                    if last is not None and last[2]:
+                        print(f"[stuck] {name} moved on after {1e3 * (now - last[1]):.0f} ms", flush=True)
+                    seen[ident] = (key, now, False)
+                elif not last[2] and now - last[1] >= stuck_s:
+                    stack = "".join(traceback.format_stack(frame)[-8:])
+                    wall = time.strftime("%H:%M:%S", time.localtime())
+                    print(f"[stuck] {wall} {name} on one line for {1e3 * (now - last[1]):.0f} ms:\n{stack}", flush=True)
+                    seen[ident] = (key, last[1], True)
+
+    threading.Thread(target=loop, name="stuck-watch", daemon=True).start()
+
+
 def pytest_configure(config) -> None:  # a pytest plugin (-p bench.trace_module_loads)
     try:
         install()
     except ImportError:
         pass
+    import os
+    if os.environ.get("TRACE_STUCK") == "1":
+        watch_stuck()
