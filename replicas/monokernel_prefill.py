@@ -110,7 +110,7 @@ class Prefill:
         # a 32-token join prefill beside a resident launch -7..9%, idle -13..14% (bench/RESULTS.md session 18). Off
         # because with it a session's suffix join beside a resident launch waited for the launch (the stall
         # guard's relaunch; tests/test_monokernel_resident_gpu.py, twice), and the cause is not found yet.
-        self.fused = False
+        self.fused, self.fused_ops = False, frozenset()
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
 
@@ -126,6 +126,8 @@ class Prefill:
             self._rms_bits_k, self._rope_bits_k = f["mk_rms_rows_bits"], f["mk_rope_bits"]
             self._store_f32_k, self._add_parts_k = f["mk_store_kv_f32"], f["mk_add_parts"]
             self.fused = os.environ.get("MK_PREFILL_FUSED", "0") == "1"
+            # (diagnosis: which of the fused passes run; default all of rms, kv, add)
+            self.fused_ops = frozenset(os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(","))
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
             if graphs:
@@ -142,7 +144,7 @@ class Prefill:
 
     def _linear_add(self, x, inp, w, k: int) -> None:
         """x += inp @ w[:, :K]^T (x fp32 [T, N] contiguous); GPU fused: split-K parts summed into x by one kernel."""
-        if not self.fused:
+        if not (self.fused and "add" in self.fused_ops):
             x += self._linear(inp, w, k)
             return
         cp = self.cp
@@ -157,7 +159,7 @@ class Prefill:
     def _rms_bits(self, x, w):
         """A GEMM's input: RMSNorm of contiguous rows, fused: as the bf16 bits (= narrow(_rms(x, w)), which
         _linear would do, in one kernel); otherwise _rms's fp32 (the CPU's GEMMs take fp32 unrounded)."""
-        if not self.fused or not x.flags.c_contiguous:
+        if not (self.fused and "rms" in self.fused_ops) or not x.flags.c_contiguous:
             return self._rms(x, w)
         cp = self.cp
         n = x.shape[-1]
@@ -202,8 +204,8 @@ class Prefill:
         """Whether the fused RoPE / KV-store passes run: they need contiguous per-layer KV caches and RoPE
         tables (as the graphs do)."""
         m = self.m
-        return (self.fused and m.k_cache[0].flags.c_contiguous and m.v_cache[0].flags.c_contiguous
-                and m.rope_cos.flags.c_contiguous and m.rope_sin.flags.c_contiguous)
+        return (self.fused and "kv" in self.fused_ops and m.k_cache[0].flags.c_contiguous
+                and m.v_cache[0].flags.c_contiguous and m.rope_cos.flags.c_contiguous and m.rope_sin.flags.c_contiguous)
 
     def _silu_up(self, gu):
         """gu fp32 [T, I, 2] (gate, up) -> SiLU(gate) * up [T, I]: fp32 on the CPU, on the GPU already
