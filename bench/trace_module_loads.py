@@ -79,6 +79,11 @@ def watch_stuck(prefixes=("mk-join-prefill",), stuck_s: float = 0.15, every_s: f
                     stack = "".join(traceback.format_stack(frame)[-8:])
                     wall = time.strftime("%H:%M:%S", time.localtime())
                     print(f"[stuck] {wall} {name} on one line for {1e3 * (now - last[1]):.0f} ms:\n{stack}", flush=True)
+                    for other, f in frames.items():  # where every other thread is meanwhile (a GIL holder?)
+                        if other != ident and names.get(other) != "stuck-watch":
+                            top = " <- ".join(f"{Path(x.filename).name}:{x.lineno}({x.name})"
+                                              for x in reversed(traceback.extract_stack(f)[-4:]))
+                            print(f"[stuck]   meanwhile {names.get(other, other)}: {top}", flush=True)
                     seen[ident] = (key, last[1], True)
 
     threading.Thread(target=loop, name="stuck-watch", daemon=True).start()
