@@ -89,6 +89,26 @@ def watch_stuck(prefixes=("mk-join-prefill",), stuck_s: float = 0.15, every_s: f
     threading.Thread(target=loop, name="stuck-watch", daemon=True).start()
 
 
+def watch_gc(min_ms: float = 1.0) -> None:
+    """Print each garbage collection that takes min_ms or more: its generation, thread, duration and what it
+    collected (a finalizer that calls cudaFree or cudaFreeHost synchronizes with a running launch)."""
+    import gc
+
+    started: dict[int, float] = {}
+
+    def cb(phase, info):
+        ident = threading.get_ident()
+        if phase == "start":
+            started[ident] = time.perf_counter()
+            return
+        t = started.pop(ident, None)
+        if t is not None and (ms := 1e3 * (time.perf_counter() - t)) >= min_ms:
+            print(f"[gc] {time.strftime('%H:%M:%S')} gen {info['generation']} in {threading.current_thread().name}: "
+                  f"{ms:.1f} ms, collected {info['collected']}, uncollectable {info['uncollectable']}", flush=True)
+
+    gc.callbacks.append(cb)
+
+
 def pytest_configure(config) -> None:  # a pytest plugin (-p bench.trace_module_loads)
     try:
         install()
@@ -97,3 +117,5 @@ def pytest_configure(config) -> None:  # a pytest plugin (-p bench.trace_module_
     import os
     if os.environ.get("TRACE_STUCK") == "1":
         watch_stuck()
+    if os.environ.get("TRACE_GC") == "1":
+        watch_gc()
