@@ -116,6 +116,8 @@ def shapes():
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--turn2", action="store_true", help="only the session test's turn-2 shape (start 315, 41 new "
+                    "tokens) inside the launch: all fused, none, all again")
     args = ap.parse_args()
     import cupy as cp
 
@@ -129,13 +131,17 @@ def main() -> None:
     eng = BatchedMonokernelEngine.from_pretrained(path, batch=8, max_context=2048, resident=True, idle_s=2.0)
     sms = eng.gpu.layout.num_sms
     assert sms == eng.gpu.single_layout.num_sms - PREFILL_SMS
-    out = {"sms_held": sms, "join_mode": eng._joiner.mode, "chains": chains(cp, sms)}
+    out = {"sms_held": sms, "join_mode": eng._joiner.mode, "chains": [] if args.turn2 else chains(cp, sms)}
     use_gemm_mode(eng._joiner.mode or "tensor")
     it = shapes()
     pre = eng._prefill[7]
     out["hold"] = []
+    every = frozenset(("rms", "kv", "add"))
+    subsets = [every, frozenset(), every] if args.turn2 else SUBSETS
+    if args.turn2:
+        it = iter([(315, 41)] * 3)
     with cp.cuda.Device(eng.gpu.device):
-        for ops in SUBSETS:
+        for ops in ([] if args.turn2 else SUBSETS):
             start, new = next(it)
             out["hold"].append(beside_hold(cp, sms, lambda: prefill_capture(cp, pre, ops, start, new)))
             print(json.dumps(out["hold"][-1]), flush=True)
@@ -146,10 +152,16 @@ def main() -> None:
         next(g)
     out["launch"] = []
     with cp.cuda.Device(eng.gpu.device):
-        for ops in SUBSETS:
+        for ops in subsets:
             start, new = next(it)
             launches = eng.launches
-            row = prefill_capture(cp, pre, ops, start, new)
+            if args.turn2:  # in the join worker's thread, on the prefill stream, as the engine's joins run
+                def in_worker(ops=ops, start=start, new=new):
+                    with cp.cuda.Device(eng.gpu.device), eng.gpu.prefill_stream:
+                        return prefill_capture(cp, pre, ops, start, new)
+                row = eng._joiner._pool.submit(in_worker).result()
+            else:
+                row = prefill_capture(cp, pre, ops, start, new)
             row["same_launch"] = eng.launches == launches and bool(eng._resident_launch)
             out["launch"].append(row)
             print(json.dumps(row), flush=True)
