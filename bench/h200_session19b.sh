@@ -14,7 +14,7 @@ DEADLINE=${DEADLINE:-290}
 . bench/device_stage.sh
 LOGCLI="-o log_cli=true --log-cli-level=WARNING --log-cli-format=%(asctime)s.%(msecs)03d_%(name)s_%(message)s --log-cli-date-format=%H:%M:%S"
 for f in 1; do
-  TRACE_STUCK=1 MK_PREFILL_FUSED=$f stage ts_f$f 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
+  TRACE_STUCK=1 MK_PREFILL_FUSED=$f stage ts_f$f 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_join_waits \
     $LOGCLI tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'
 done
 { echo "total ${SECONDS}s"

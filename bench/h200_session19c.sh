@@ -10,7 +10,7 @@
 set -u
 DEADLINE=${DEADLINE:-290}
 . bench/device_stage.sh
-run1() { stage "$1" 60 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
+run1() { stage "$1" 60 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_join_waits \
   tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'; }
 TRACE_STUCK=1 CUDA_MODULE_LOADING=EAGER MK_PREFILL_FUSED=1 run1 eager
 for ops in add rms kv; do TRACE_STUCK=1 MK_PREFILL_FUSED=1 MK_PREFILL_FUSED_OPS=$ops run1 only_$ops; done

@@ -9,7 +9,7 @@
 set -u
 DEADLINE=${DEADLINE:-290}
 . bench/device_stage.sh
-run1() { stage "$1" 70 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_module_loads \
+run1() { stage "$1" 70 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider -p bench.trace_join_waits \
   tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'; }
 TRACE_STUCK=1 CUPY_CACHE_DIR=/tmp/cupy_a MK_PREFILL_FUSED=0 run1 A_unfused_cold
 TRACE_STUCK=1 CUPY_CACHE_DIR=/tmp/cupy_a MK_PREFILL_FUSED=1 run1 B_fused_warm

@@ -13,6 +13,6 @@ set -u
 DEADLINE=${DEADLINE:-140}
 . bench/device_stage.sh
 TRACE_GC=1 TRACE_STUCK=1 MK_PREFILL_FUSED=1 stage tsf 110 python3 -m pytest -q -s -m gpu $PT -p no:cacheprovider \
-  -p bench.trace_module_loads tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'
+  -p bench.trace_join_waits tests/test_monokernel_resident_gpu.py -k 'sessions_turns_join and tiny'
 { echo "total ${SECONDS}s"; echo "$(grep -E 'passed|failed' "$OUT/tsf.log" | tail -n 1)"
   grep -E "\[stuck\]|\[gc\]|end_capture|turns took" "$OUT/tsf.log" | grep -v "compileProgram" | cut -c1-330 | tail -n 60; } >> "$OUT/summary.txt"

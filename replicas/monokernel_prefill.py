@@ -109,7 +109,8 @@ class Prefill:
         # bits their readers take, and split-K parts summed into the residual, in fused kernels: 337 -> 177 ops,
         # a 32-token join prefill beside a resident launch -7..9%, idle -13..14% (bench/RESULTS.md session 18). Off
         # because with it a session's suffix join beside a resident launch waited for the launch (the stall
-        # guard's relaunch; tests/test_monokernel_resident_gpu.py, twice), and the cause is not found yet.
+        # guard's relaunch; tests/test_monokernel_resident_gpu.py on tiny): ~0.5 s inside its graph's end_capture /
+        # instantiate, with all three passes only, cause not found (csrc/NOTES.md "Joins after session 19").
         self.fused, self.fused_ops = False, frozenset()
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
@@ -127,7 +128,10 @@ class Prefill:
             self._store_f32_k, self._add_parts_k = f["mk_store_kv_f32"], f["mk_add_parts"]
             self.fused = os.environ.get("MK_PREFILL_FUSED", "0") == "1"
             # (diagnosis: which of the fused passes run; default all of rms, kv, add)
-            self.fused_ops = frozenset(os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(","))
+            self.fused_ops = frozenset(o for o in os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(",") if o)
+            if not self.fused_ops <= {"rms", "kv", "add"}:
+                raise ValueError(f"MK_PREFILL_FUSED_OPS={os.environ['MK_PREFILL_FUSED_OPS']!r}: a comma list of "
+                                 "rms, kv, add (the fused passes to run; default all)")
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
             if graphs:

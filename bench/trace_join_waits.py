@@ -1,13 +1,17 @@
-"""Which CuPy modules a process compiles or loads, when, from which thread and call site, and how long each took
-(issue 9: a join whose prefill needs a module loaded for the first time waits for the running resident launch).
+"""What a join into a running resident launch waits for (issue 9; csrc/NOTES.md "Joins after session 19"), as a
+pytest plugin:
 
-    python3 -m pytest -p bench.trace_module_loads -s -m gpu tests/test_monokernel_resident_gpu.py -k sessions
+    python3 -m pytest -p bench.trace_join_waits -s -m gpu tests/test_monokernel_resident_gpu.py -k sessions
+    TRACE_STUCK=1 TRACE_GC=1 python3 -m pytest -p bench.trace_join_waits ...
 
-CuPy builds an ElementwiseKernel / ReductionKernel / RawModule the first time a process uses it (per dtype
-signature and, for elementwise kernels, per collapsed ndim), through cupy.cuda.compiler._compile_module_with_cache;
-loading the result into the context waits for a running kernel. This wraps that function (CuPy looks it up as a
-module attribute at each call) and prints one line per call: seconds since the first call, the call's duration,
-the thread, the kernels' names in the source, and the innermost call sites in this repository.
+- Every CuPy module build (an ElementwiseKernel / ReductionKernel / RawModule is built the first time a process
+  uses it, per dtype signature and, for elementwise kernels, per collapsed ndim, through
+  cupy.cuda.compiler._compile_module_with_cache; loading it waits for a running kernel): one line each with the wall
+  time, the duration, the thread, the kernels' names and the innermost call sites in this repository.
+- TRACE_STUCK=1: the stack of a join worker thread that stays on one line for 150 ms or more (a blocking call), and
+  where every other thread is meanwhile (a GIL holder would show there).
+- TRACE_GC=1: every garbage collection of 1 ms or more (a finalizer calling cudaFree / cudaFreeHost would wait for a
+  running launch).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ _t0: list[float] = []
 
 def _sites() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if f.filename.startswith(ROOT)
-              and "trace_module_loads" not in f.filename]
+              and "trace_join_waits" not in f.filename]
     return " <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-4:]))
 
 
@@ -109,7 +113,7 @@ def watch_gc(min_ms: float = 1.0) -> None:
     gc.callbacks.append(cb)
 
 
-def pytest_configure(config) -> None:  # a pytest plugin (-p bench.trace_module_loads)
+def pytest_configure(config) -> None:  # a pytest plugin (-p bench.trace_join_waits)
     try:
         install()
     except ImportError:
