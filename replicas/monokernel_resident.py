@@ -247,8 +247,8 @@ class Joiner:
                     tried.append(f"{mode}: {secs * 1e3:.1f} ms, {'beside' if beside else 'waited'}")
                     if beside:
                         for p in self.prefills:  # every slot's prefill graphs of this mode, before any launch
-                            if getattr(p, "graphs", None) is not None:
-                                p.graphs.warm()
+                            if getattr(p, "graphs", None) is not None:  # (sessions' suffix shapes too)
+                                p.graphs.capture_all()
                         gpu.prefill_stream.synchronize()
                         return mode, targeted, tried
                 use_gemm_mode("tensor")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,20 @@ def graph_shape(new_tokens: int, start: int, max_context: int, heads: int) -> Gr
     if heads * rows * keys * 4 > GRAPH_SCORE_BYTES:
         return None
     return GraphShape(rows, keys)
+
+
+def graph_shapes(max_context: int, heads: int) -> list[GraphShape]:
+    """Every shape graph_shape returns for some (new_tokens, start) at this context and head count: per row
+    bucket, the key counts of its possible last positions (rows - 1 .. max_context - 1), within the scores' bound."""
+    shapes = []
+    for rows in GRAPH_ROWS:
+        if rows > max_context:
+            break
+        bits = range((rows - 1).bit_length(), (max_context - 1).bit_length() + 1)
+        for keys in sorted({min(max_context, max(MIN_KEYS, 1 << b)) for b in bits}):
+            if heads * rows * keys * 4 <= GRAPH_SCORE_BYTES:
+                shapes.append(GraphShape(rows, keys))
+    return shapes
 
 
 def pack_inputs(ids, start: int, rows: int) -> np.ndarray:
@@ -140,6 +155,29 @@ class PrefillGraphs:
             return None
         g = self.graphs[key] = _Graph(graph, x)
         return g
+
+    def capture_all(self) -> int:
+        """Capture every graph this Prefill can replay (graph_shapes) in the current GEMM mode, without running
+        them; returns how many were new. For a resident engine before its first launch: a session suffix's
+        shape (start > 0) is otherwise captured at its first join, beside the launch, where the capture has
+        been seen to wait for the launch (csrc/NOTES.md "Joins after session 19"); with every shape captured,
+        each join of up to GRAPH_ROWS[-1] new tokens is a replay the scheduler queues itself."""
+        from replicas.monokernel_blas import gemm_mode
+
+        t, new = time.perf_counter(), 0
+        for shape in graph_shapes(self.max_context, self.heads):
+            key = (gemm_mode(), shape.rows, shape.keys)
+            with self._lock:
+                if key not in self.graphs and key not in self.failed:
+                    g = self._capture(key, shape)
+                    if g is not None:  # (a graph's first launch uploads it: done here, not beside a launch)
+                        g.graph.upload(self._stream)
+                        new += 1
+        if self._stream is not None:
+            self._stream.synchronize()
+        log.info("prefill graphs: %d captured in %.1f s (%d held, %.0f MB in their pool)", new,
+                 time.perf_counter() - t, len(self.graphs), self.pool.total_bytes() / 1e6)
+        return new
 
     def warm(self, lengths=GRAPH_ROWS) -> None:
         """Capture the graphs of fresh prompts of these lengths (start 0) now, not at their first request

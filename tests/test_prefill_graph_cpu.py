@@ -50,6 +50,20 @@ def test_prompts_without_a_graph_run_eagerly():
         pgr.graph_shape(0, 0, 4096, 32)
 
 
+@pytest.mark.parametrize("ctx,heads", [(2048, 32), (3000, 32), (8192, 32), (700, 4), (16, 2)])
+def test_capture_all_enumerates_exactly_the_shapes_any_prompt_can_get(ctx, heads):
+    # a resident engine captures these before its first launch, so a join never captures beside it: a shape
+    # missing here would be captured at its first join; an extra one costs start-up time and memory
+    want = set()
+    for start in range(ctx):
+        for new in {1, *pgr.GRAPH_ROWS, *(r + 1 for r in pgr.GRAPH_ROWS)}:
+            if start + new <= ctx and (s := pgr.graph_shape(new, start, ctx, heads)) is not None:
+                want.add(s)
+    got = pgr.graph_shapes(ctx, heads)
+    assert len(got) == len(set(got)) and set(got) == want
+    assert all(heads * s.rows * s.keys * 4 <= pgr.GRAPH_SCORE_BYTES for s in got)
+
+
 def test_replay_inputs_hold_start_count_and_padded_ids():
     ids = [5, 6, 7, 8, 9]
     got = pgr.pack_inputs(ids, 2, 16)
