@@ -91,7 +91,7 @@ def prefill_capture(cp, pre, ops: frozenset, start: int, new: int) -> dict:
     from replicas.monokernel_prefill import Positions
     from replicas.prefill_graph import graph_shape
 
-    pre.fused, pre.fused_ops = bool(ops), ops
+    pre.fused_ops = ops
     g = pre.graphs
     shape = graph_shape(new, start, g.max_context, g.heads)
     s = cp.cuda.Stream(non_blocking=True)

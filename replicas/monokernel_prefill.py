@@ -113,7 +113,7 @@ class Prefill:
         # instantiate, with all three passes only, cause not found (csrc/NOTES.md "Joins after session 19"). Since
         # resident engines capture every shape before the first launch the tests pass with it (10/10); stays off
         # until the joins' cost is measured with it again.
-        self.fused, self.fused_ops = False, frozenset()
+        self.fused_ops = frozenset()  # the fused passes that run (rms, kv, add); empty: none (the CPU always)
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
 
@@ -128,12 +128,13 @@ class Prefill:
             self._rms_k, self._rope_k, self._store_k = f["mk_rms_rows"], f["mk_rope_rows"], f["mk_store_kv"]
             self._rms_bits_k, self._rope_bits_k = f["mk_rms_rows_bits"], f["mk_rope_bits"]
             self._store_f32_k, self._add_parts_k = f["mk_store_kv_f32"], f["mk_add_parts"]
-            self.fused = os.environ.get("MK_PREFILL_FUSED", "0") == "1"
-            # (diagnosis: which of the fused passes run; default all of rms, kv, add)
-            self.fused_ops = frozenset(o for o in os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(",") if o)
-            if not self.fused_ops <= {"rms", "kv", "add"}:
+            # MK_PREFILL_FUSED_OPS (diagnosis): which of the fused passes run when MK_PREFILL_FUSED=1; default all
+            ops = frozenset(o for o in os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(",") if o)
+            if not ops <= {"rms", "kv", "add"}:
                 raise ValueError(f"MK_PREFILL_FUSED_OPS={os.environ['MK_PREFILL_FUSED_OPS']!r}: a comma list of "
                                  "rms, kv, add (the fused passes to run; default all)")
+            if os.environ.get("MK_PREFILL_FUSED", "0") == "1":
+                self.fused_ops = ops
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
             if graphs:
@@ -150,7 +151,7 @@ class Prefill:
 
     def _linear_add(self, x, inp, w, k: int) -> None:
         """x += inp @ w[:, :K]^T (x fp32 [T, N] contiguous); GPU fused: split-K parts summed into x by one kernel."""
-        if not (self.fused and "add" in self.fused_ops):
+        if "add" not in self.fused_ops:
             x += self._linear(inp, w, k)
             return
         cp = self.cp
@@ -165,7 +166,7 @@ class Prefill:
     def _rms_bits(self, x, w):
         """A GEMM's input: RMSNorm of contiguous rows, fused: as the bf16 bits (= narrow(_rms(x, w)), which
         _linear would do, in one kernel); otherwise _rms's fp32 (the CPU's GEMMs take fp32 unrounded)."""
-        if not (self.fused and "rms" in self.fused_ops) or not x.flags.c_contiguous:
+        if "rms" not in self.fused_ops or not x.flags.c_contiguous:
             return self._rms(x, w)
         cp = self.cp
         n = x.shape[-1]
@@ -206,11 +207,16 @@ class Prefill:
                                                                  np.int64(total), dyn, np.int32(pos.start),
                                                                  np.int32(pos.count)))
 
+    @property
+    def fused(self) -> bool:
+        """Whether any fused pass runs (MK_PREFILL_FUSED=1 on the GPU)."""
+        return bool(self.fused_ops)
+
     def _fused_kv(self) -> bool:
         """Whether the fused RoPE / KV-store passes run: they need contiguous per-layer KV caches and RoPE
         tables (as the graphs do)."""
         m = self.m
-        return (self.fused and "kv" in self.fused_ops and m.k_cache[0].flags.c_contiguous
+        return ("kv" in self.fused_ops and m.k_cache[0].flags.c_contiguous
                 and m.v_cache[0].flags.c_contiguous and m.rope_cos.flags.c_contiguous and m.rope_sin.flags.c_contiguous)
 
     def _silu_up(self, gu):

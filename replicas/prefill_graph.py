@@ -38,6 +38,11 @@ class GraphShape:
     keys: int  # cache rows the attention scores (>= start + rows)
 
 
+def _scores_fit(heads: int, rows: int, keys: int) -> bool:
+    """A graph's fp32 attention scores [heads, rows, keys] stay within GRAPH_SCORE_BYTES (larger: eager)."""
+    return heads * rows * keys * 4 <= GRAPH_SCORE_BYTES
+
+
 def graph_shape(new_tokens: int, start: int, max_context: int, heads: int) -> GraphShape | None:
     """The graph that prefills `new_tokens` at positions start.. of a cache of `max_context` rows with
     `heads` query heads, or None where the prompt runs eagerly (too long, too close to the context's end,
@@ -48,7 +53,7 @@ def graph_shape(new_tokens: int, start: int, max_context: int, heads: int) -> Gr
     if rows is None or start + rows > max_context:
         return None
     keys = min(max_context, max(MIN_KEYS, 1 << (start + rows - 1).bit_length()))
-    if heads * rows * keys * 4 > GRAPH_SCORE_BYTES:
+    if not _scores_fit(heads, rows, keys):
         return None
     return GraphShape(rows, keys)
 
@@ -62,7 +67,7 @@ def graph_shapes(max_context: int, heads: int) -> list[GraphShape]:
             break
         bits = range((rows - 1).bit_length(), (max_context - 1).bit_length() + 1)
         for keys in sorted({min(max_context, max(MIN_KEYS, 1 << b)) for b in bits}):
-            if heads * rows * keys * 4 <= GRAPH_SCORE_BYTES:
+            if _scores_fit(heads, rows, keys):
                 shapes.append(GraphShape(rows, keys))
     return shapes
 
