@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import threading
@@ -281,6 +282,8 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
             print(json.dumps({"preset": preset, "batch": b, "join": row["join"]}), flush=True)
         row["launches"] = eng.launches
         row["resident"] = resident
+        free, total = cp.cuda.runtime.memGetInfo()  # the engine's whole footprint: weights, KV, builds, graphs
+        row["device_used_gb"] = round((total - free) / 1e9, 2)
         eng.close()
         del eng
         cp.get_default_memory_pool().free_all_blocks()
@@ -310,6 +313,9 @@ def main() -> None:
                     help="also time the peer (HF transformers, static cache, batch 1) on each preset in the same run")
     args = ap.parse_args()
     import cupy as cp
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("replicas.prefill_graph").setLevel(logging.INFO)  # the graphs' count, time and pool size
 
     bw = copy_bandwidth(cp)
     results = {"copy_TBps": round(bw / 1e12, 3), "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
