@@ -105,14 +105,12 @@ class Prefill:
         self.m = model
         self.blas = None
         self.graphs = None
-        # MK_PREFILL_FUSED=1 (GPU; off by default): the norm's, RoPE's and KV store's outputs written as the bf16
-        # bits their readers take, and split-K parts summed into the residual, in fused kernels: 337 -> 177 ops,
-        # a 32-token join prefill beside a resident launch -7..9%, idle -13..14% (bench/RESULTS.md session 18). Off
-        # because with it a session's suffix join beside a resident launch waited for the launch (the stall
-        # guard's relaunch; tests/test_monokernel_resident_gpu.py on tiny): ~0.5 s inside its graph's end_capture /
-        # instantiate, with all three passes only, cause not found (csrc/NOTES.md "Joins after session 19"). Since
-        # resident engines capture every shape before the first launch the tests pass with it (10/10); stays off
-        # until the joins' cost is measured with it again.
+        # Fused passes (GPU; on by default, MK_PREFILL_FUSED=0 turns them off): the norm's, RoPE's and KV store's
+        # outputs written as the bf16 bits their readers take, and split-K parts summed into the residual: 337 ->
+        # 177 ops; a 32-token join prefill beside a resident launch 8.98 -> 8.29 ms, join cost beyond the prefill
+        # +0.82 -> +0.43 ms median (bench/RESULTS.md session 20), idle -13%. A graph captured beside a running
+        # resident launch with them once waited ~0.5 s in the driver's end capture (cause not found, csrc/NOTES.md
+        # "Joins after session 19"); resident engines capture every graph shape before their first launch.
         self.fused_ops = frozenset()  # the fused passes that run (rms, kv, add); empty: none (the CPU always)
         if xp.__name__ == "numpy":
             from replicas.monokernel_weights import to_bf16_bits, to_f32
@@ -128,12 +126,16 @@ class Prefill:
             self._rms_k, self._rope_k, self._store_k = f["mk_rms_rows"], f["mk_rope_rows"], f["mk_store_kv"]
             self._rms_bits_k, self._rope_bits_k = f["mk_rms_rows_bits"], f["mk_rope_bits"]
             self._store_f32_k, self._add_parts_k = f["mk_store_kv_f32"], f["mk_add_parts"]
-            # MK_PREFILL_FUSED_OPS (diagnosis): which of the fused passes run when MK_PREFILL_FUSED=1; default all
+            # MK_PREFILL_FUSED_OPS (diagnosis): which of the fused passes run (unless MK_PREFILL_FUSED=0); default all
             ops = frozenset(o for o in os.environ.get("MK_PREFILL_FUSED_OPS", "rms,kv,add").split(",") if o)
             if not ops <= {"rms", "kv", "add"}:
                 raise ValueError(f"MK_PREFILL_FUSED_OPS={os.environ['MK_PREFILL_FUSED_OPS']!r}: a comma list of "
                                  "rms, kv, add (the fused passes to run; default all)")
-            if os.environ.get("MK_PREFILL_FUSED", "0") == "1":
+            fused = os.environ.get("MK_PREFILL_FUSED", "1")
+            if fused not in ("0", "1"):
+                raise ValueError(f"MK_PREFILL_FUSED={fused!r}: 1 (the default) runs the fused prefill passes, 0 the "
+                                 "unfused ones")
+            if fused == "1":
                 self.fused_ops = ops
             if graphs is None:
                 graphs = os.environ.get("MK_PREFILL_GRAPHS", "1") != "0"
@@ -209,7 +211,7 @@ class Prefill:
 
     @property
     def fused(self) -> bool:
-        """Whether any fused pass runs (MK_PREFILL_FUSED=1 on the GPU)."""
+        """Whether any fused pass runs (on the GPU unless MK_PREFILL_FUSED=0)."""
         return bool(self.fused_ops)
 
     def _fused_kv(self) -> bool:
