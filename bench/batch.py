@@ -228,7 +228,7 @@ def ab_variants(cp, config, tensors, b: int, variants: list[str], n_new: int, ru
 
 def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, profile: bool = False,
                  variants: list[str] | None = None, sub_builds: bool = True, layout: str = "",
-                 resident: bool = False) -> dict:
+                 resident: bool = False, joins: int = 7) -> dict:
     from replicas.checkpoint import preset_config
     from replicas.monokernel import MonokernelEngine
     from replicas.monokernel_batched import BatchedMonokernelEngine
@@ -274,7 +274,7 @@ def bench_preset(cp, preset: str, builds: list[int], n_new: int, runs: int, prof
             # resident: b - 1 running on the full build, so the joiner has a free slot in the running launch
             running = ps[:b - 1] if resident else ps[:max(1, b // 2)]
             joins0, launches0 = getattr(eng, "resident_joins", 0), eng.launches
-            row["join"] = join_cost(eng, ps[-1], running, 4 * n_new)
+            row["join"] = join_cost(eng, ps[-1], running, 4 * n_new, joins)
             row["join"]["resident_joins"] = getattr(eng, "resident_joins", 0) - joins0
             row["join"]["relaunches"] = eng.launches - launches0
             joiner = getattr(eng, "_joiner", None)
@@ -311,7 +311,13 @@ def main() -> None:
                     help="resident batched engines (requests join a running launch; batch builds on fewer SMs)")
     ap.add_argument("--peer", action="store_true",
                     help="also time the peer (HF transformers, static cache, batch 1) on each preset in the same run")
+    ap.add_argument("--joins", type=int, default=7, help="joiners timed into the largest build (join_cost)")
     args = ap.parse_args()
+    if args.joins < 1:
+        ap.error("--joins: at least 1")
+    if args.resident:  # as a resident replica runs (replicas/monokernel_resident.py): every kernel loaded at start
+        from replicas.monokernel_resident import prefer_eager_module_loading
+        prefer_eager_module_loading()
     import cupy as cp
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -323,7 +329,7 @@ def main() -> None:
     print(json.dumps({"copy_TBps": results["copy_TBps"]}), flush=True)
     for preset in args.presets:
         results["presets"].append(bench_preset(cp, preset, args.builds, args.new_tokens, args.runs, args.profile,
-                                               args.variants, args.sub_builds, args.layout, args.resident))
+                                               args.variants, args.sub_builds, args.layout, args.resident, args.joins))
         if args.peer:
             cp.get_default_memory_pool().free_all_blocks()
             results["presets"][-1]["peer"] = bench_peer(preset, args.new_tokens, args.runs)
