@@ -151,6 +151,12 @@ def join_cost(engine, prompt, running_prompts, n_new: int, joins: int = 7) -> di
     for t in threads:
         t.join()
     gaps = [max((b - a for a, b in zip(s, s[1:]) if b > t_first_submit - 0.01), default=0.0) for s in stamps]
+    # the worst gap's slot: how many tokens reach the host within 0.25 ms after the gap. A kernel that stalled
+    # resumes one token a step (burst 1); a host that stalled finds the tokens the kernel kept producing meanwhile
+    worst = max(range(len(stamps)), key=lambda i: gaps[i])
+    s = stamps[worst]
+    end = next((j + 1 for j in range(len(s) - 1) if s[j + 1] - s[j] == gaps[worst]), None)
+    burst = 0 if end is None else sum(1 for t in s[end:] if t - s[end] <= 0.25e-3)
     del heads
     beyond = sorted(busy - pre - idle_beyond for busy, pre in samples)
     busy_ms = sorted(busy for busy, _ in samples)
@@ -163,7 +169,7 @@ def join_cost(engine, prompt, running_prompts, n_new: int, joins: int = 7) -> di
             "join_overhead_beyond_prefill_ms": ms(statistics.median(beyond)),
             "join_overhead_beyond_prefill_max_ms": ms(beyond[-1]),
             "join_overhead_beyond_prefill_all_ms": [ms(v) for v in beyond],
-            "running_worst_gap_ms": ms(max(gaps))}
+            "running_worst_gap_ms": ms(max(gaps)), "running_worst_gap_burst": burst}
 
 
 PHASES = ["lm_head+sample", "qkv", "attention", "attn+o", "mlp", "down"]
@@ -362,7 +368,8 @@ def main() -> None:
                              f"+{j['join_overhead_beyond_prefill_ms']}, worst "
                              f"+{j['join_overhead_beyond_prefill_max_ms']}; median of {j['joins']} joins, a step "
                              f"{j['step_ms']} ms, running throughout: {j['running_throughout']}), "
-                             f"running slots' worst token gap {j['running_worst_gap_ms']} ms"
+                             f"running slots' worst token gap {j['running_worst_gap_ms']} ms "
+                             f"({j['running_worst_gap_burst']} tokens within 0.25 ms after it)"
                              + (f"; resident: {j['resident_joins']} joins into the running launch, "
                                 f"{j['relaunches']} relaunches, join GEMMs {j.get('join_mode')}"
                                 if row.get("resident") else ""))
