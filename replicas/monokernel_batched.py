@@ -110,8 +110,10 @@ class BatchedMonokernelEngine(ResidentJoins):
                             progress=progress, layout_options=layout_options, sub_builds=sub_builds,
                             resident=resident)
         from replicas.monokernel_prefill import Prefill
+        from replicas.prefill_graph import GraphArena
 
-        self._start(config, gpu, devices, Prefill, sessions, idle_s)
+        arena = GraphArena(gpu.cp)  # the slots' prefill graphs share one pool of temporaries (prefill_graph.py)
+        self._start(config, gpu, devices, lambda view: Prefill(view, graph_arena=arena), sessions, idle_s)
         with gpu.cp.cuda.Device(gpu.device), gpu.stream:  # the slots' prompt-bucket graphs, before any request
             for graphs in (p.graphs for p in self._prefill if p.graphs is not None):
                 graphs.warm()

@@ -93,12 +93,13 @@ def _loaded_functions(cp) -> dict:
 class Prefill:
     """Runs prompts through the packed weights of one `GpuModel` (see monokernel_gpu.py)."""
 
-    def __init__(self, model, xp=None, graphs: bool | None = None):
+    def __init__(self, model, xp=None, graphs: bool | None = None, graph_arena=None):
         """xp: the array module (cupy by default; numpy runs the same math on the CPU for tests).
         graphs: replay prompts of up to prefill_graph.GRAPH_ROWS[-1] tokens from CUDA graphs (GPU only;
         default on unless MK_PREFILL_GRAPHS=0): a short prompt's prefill is otherwise bound by the host
         issuing ~20 CuPy / cuBLAS operations per layer (measured on the H200: 32 tokens of llama-3.2-1b,
-        18 ms on the host for 1.9 ms of GPU work)."""
+        18 ms on the host for 1.9 ms of GPU work). graph_arena: a prefill_graph.GraphArena shared with other
+        Prefills (a batched engine's slots: one pool of graph temporaries for all); None: one of its own."""
         if xp is None:
             import cupy as xp
         self.cp = xp
@@ -142,7 +143,7 @@ class Prefill:
             if graphs:
                 from replicas.prefill_graph import PrefillGraphs
 
-                self.graphs = PrefillGraphs(self)
+                self.graphs = PrefillGraphs(self, graph_arena)
 
     def _linear(self, x, w, k: int):
         """x fp32 [T, K] (or bf16 bits) @ w[:, :K]^T (w: packed bf16 rows) -> fp32; bf16 tensor cores on the GPU."""

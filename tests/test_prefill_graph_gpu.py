@@ -112,3 +112,57 @@ def test_replays_reuse_their_graph_and_skip_the_host_cost(engine):
     assert len(engine._prefill.graphs.graphs) <= graphs_before + 1  # one bucket: at most one new capture
     print(f"32-token bucket: graphed {graphed_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms")
     assert graphed_s < eager_s / 2
+
+
+def test_slots_sharing_one_arena_replay_in_order_from_two_streams(tmp_path_factory):
+    """A batched engine's slots share one pool of graph temporaries (prefill_graph.GraphArena): one slot's worth
+    of memory, not one per slot. Safe only if no two replays overlap on the GPU, also when one slot prefills on
+    the launch stream and another on the prefill stream (admission vs join): here two slots replay the same
+    shape alternately from two streams with no host sync between them, and each slot's hidden state and KV rows
+    must still equal its own eager prefill."""
+    pytest.importorskip("cupy")
+    from replicas.checkpoint import make_checkpoint
+    from replicas.monokernel_batched import BatchedMonokernelEngine
+    from replicas.monokernel_prefill import Prefill
+
+    path = make_checkpoint("tiny", tmp_path_factory.mktemp("arena"), seed=1, dtype="bf16")
+    eng = BatchedMonokernelEngine.from_pretrained(path, batch=2, max_context=2048)
+    try:
+        gpu, cp = eng.gpu, eng.gpu.cp
+        a, b = eng._prefill[0].graphs, eng._prefill[1].graphs
+        assert a.arena is b.arena and a.pool is b.pool
+        with cp.cuda.Device(gpu.device), gpu.stream:
+            a.capture_all()
+            before, held = a.pool.total_bytes(), set(b.graphs)
+            b.capture_all()
+            grown = a.pool.total_bytes() - before
+        # slot 1's captures reuse slot 0's temporaries: the pool grows by the outputs its new graphs hold (each
+        # graph's residual stream), not by another set of temporaries (fragmentation slack: 1.5x + 4 MiB)
+        outputs = sum(g.x.data.mem.size for k, g in b.graphs.items() if k not in held)
+        print(f"arena: slot 1's {len(b.graphs) - len(held)} new graphs grew the pool by {grown / 1e6:.1f} MB, "
+              f"their outputs {outputs / 1e6:.1f} MB, the pool {before / 1e6:.1f} MB before")
+        assert outputs > 0 and grown <= 1.5 * outputs + (4 << 20)
+        rng = np.random.default_rng(11)
+        vocab = eng.config.vocab_size
+        rounds = [[rng.integers(0, vocab, 200).tolist() for _ in range(2)] for _ in range(4)]  # bucket 256 each
+        streams = (gpu.stream, gpu.prefill_stream)
+        x_last = [None, None]
+        with cp.cuda.Device(gpu.device):
+            for k, prompts in enumerate(rounds):
+                for slot in (0, 1):
+                    with streams[(slot + k) % 2]:  # each slot on both streams over the rounds
+                        x_last[slot], _ = eng._prefill[slot].run(prompts[slot])
+            cp.cuda.Device(gpu.device).synchronize()
+            got = [(cp.asnumpy(x_last[s]), cp.asnumpy(gpu.k_cache[s][:, :, :200]), cp.asnumpy(gpu.v_cache[s][:, :, :200]))
+                   for s in (0, 1)]
+            for slot in (0, 1):
+                with gpu.stream:
+                    x_eager, _ = Prefill(gpu.slot_view(slot), graphs=False).run(rounds[-1][slot])
+                gpu.stream.synchronize()
+                want = (cp.asnumpy(x_eager), cp.asnumpy(gpu.k_cache[slot][:, :, :200]),
+                        cp.asnumpy(gpu.v_cache[slot][:, :, :200]))
+                assert rel(got[slot][0], want[0]) <= JOIN_MODE_TOL
+                for g_kv, w_kv in zip(got[slot][1:], want[1:]):
+                    assert rel(_bf16(g_kv), _bf16(w_kv)) <= JOIN_MODE_TOL
+    finally:
+        eng.close()
