@@ -153,9 +153,9 @@ def join_cost(engine, prompt, running_prompts, n_new: int, joins: int = 7) -> di
     gaps = [max((b - a for a, b in zip(s, s[1:]) if b > t_first_submit - 0.01), default=0.0) for s in stamps]
     # the worst gap's slot: how many tokens reach the host within 0.25 ms after the gap. A kernel that stalled
     # resumes one token a step (burst 1); a host that stalled finds the tokens the kernel kept producing meanwhile
-    worst = max(range(len(stamps)), key=lambda i: gaps[i])
-    s = stamps[worst]
-    end = next((j + 1 for j in range(len(s) - 1) if s[j + 1] - s[j] == gaps[worst]), None)
+    s = stamps[max(range(len(stamps)), key=lambda i: gaps[i])]
+    ends = [j + 1 for j in range(len(s) - 1) if s[j + 1] > t_first_submit - 0.01]  # (the gaps' window)
+    end = max(ends, key=lambda j: s[j] - s[j - 1], default=None)
     burst = 0 if end is None else sum(1 for t in s[end:] if t - s[end] <= 0.25e-3)
     del heads
     beyond = sorted(busy - pre - idle_beyond for busy, pre in samples)

@@ -44,9 +44,7 @@ def capture_steps(cp, eng, slot: int, start: int, new: int) -> dict:
         res["rows"], res["keys"] = shape.rows, shape.keys
         ids = [(11 + 7 * i) % eng.config.vocab_size for i in range(start + new)]
         with cp.cuda.Device(gpu.device), gpu.prefill_stream:
-            if graphs._stream is None:
-                graphs._stream = cp.cuda.Stream(non_blocking=True)
-            s = graphs._stream
+            s = graphs.arena.stream  # the capture stream the engine's own captures use
             pos = Positions(start=0, count=shape.rows, rows=shape.rows, keys=shape.keys, dyn=graphs.inputs[:2])
             res["pool_mb_before"] = round(graphs.pool.total_bytes() / 1e6, 1)
             t0 = time.perf_counter()
