@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 # (CI: 2 cores) can miss either, so the GCS wait is lengthened and a local start is retried.
 LOCAL_START_ATTEMPTS = 3
 GCS_PORT_WAIT_S = "90"  # RAY_gcs_server_port_wait_time_s, unless the operator set it
+# Serve's controller kills a proxy that is not ready 5 s after it was created, and `serve.start` then fails with
+# the proxy's ActorDiedError; a proxy importing our gRPC servicer on a loaded 2-core machine can take longer.
+SERVE_PROXY_READY_S = "30"  # RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S, unless the operator set it; workers inherit it
 STARTUP_TIMEOUT_MARKS = ("timed out during startup", "Timed out waiting for file")
 RAY_PROCESS_MARKS = (b"gcs_server", b"raylet", b"/ray/", b"ray::")  # in the command lines Ray spawns
 
@@ -85,6 +88,7 @@ def init_local_ray(attempts: int = LOCAL_START_ATTEMPTS, **init_kwargs) -> None:
     deadline. A failed start leaves the GCS and raylet it spawned running (Ray never got a handle
     on them), so they are stopped before the next attempt."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", GCS_PORT_WAIT_S)  # read by ray.init here
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", SERVE_PROXY_READY_S)  # by the Serve controller
     for attempt in range(1, attempts + 1):
         try:
             ray.init(**init_kwargs)

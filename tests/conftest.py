@@ -58,9 +58,13 @@ def monokernel_builds(monkeypatch, fake_cupy):
 
 # `make test` runs the suite on two pytest-xdist workers (CI has two cores). Tests that start a local Ray cluster
 # all go to one worker, one after another: two Ray clusters starting at once on two cores time out.
+# The marker must be on the items before xdist's own collection hook turns it into the `@ray` node-id suffix its
+# scheduler groups by; xdist's worker plugin registers after this conftest, so it would run first without tryfirst
+# (it did, and the Ray tests ran on both workers at once).
 RAY_MODULES = ("test_ray_", "test_cluster_cli")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__.rpartition(".")[2].startswith(RAY_MODULES):

@@ -53,6 +53,16 @@ def test_the_gcs_port_wait_is_lengthened_unless_the_operator_set_it(monkeypatch)
     assert launcher.os.environ["RAY_gcs_server_port_wait_time_s"] == "7"
 
 
+def test_the_serve_proxy_gets_longer_to_start_unless_the_operator_set_it(monkeypatch):
+    fake_init(monkeypatch, [None, None])
+    monkeypatch.delenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", raising=False)
+    launcher.init_local_ray(num_cpus=2)
+    assert launcher.os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == launcher.SERVE_PROXY_READY_S == "30"
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "4")
+    launcher.init_local_ray(num_cpus=2)
+    assert launcher.os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "4"
+
+
 def test_a_start_that_keeps_timing_out_says_what_to_check(monkeypatch):
     calls = fake_init(monkeypatch, [TIMED_OUT] * 3)
     with pytest.raises(launcher.ClusterError, match=r"did not start in 3 attempts.*raylet\.out.*--address"):

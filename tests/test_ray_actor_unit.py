@@ -131,3 +131,11 @@ def test_spec_batch_limits_are_the_monokernels_only():
     ReplicaSpec(replica_id="r", model="/m", engine="auto", max_batch=16, tensor_parallel_size=8)
     ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=8, max_sessions=0)  # 0 = no reuse
     ReplicaSpec(replica_id="r", model="/m", engine="monokernel", max_batch=8, max_sessions=8, session_cache_mb=256)
+
+
+def test_ray_tests_are_grouped_onto_one_xdist_worker(request):
+    """`make test` runs two workers; two local Ray clusters starting at once on CI's two cores time out
+    (tests/conftest.py). The group is only honoured if xdist saw the marker when it named the items."""
+    assert request.node.get_closest_marker("xdist_group").args == ("ray",)
+    if getattr(request.config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        assert request.node.nodeid.endswith("@ray")
