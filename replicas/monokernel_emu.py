@@ -42,7 +42,11 @@ extern "C" int mk_emu_launch(const void* params, unsigned blocks, unsigned threa
                      smem, stack, max_switches);
 }
 """
-STACK_BYTES = 256 << 10
+# Each fiber's stack: the deepest of 61 launches of the suite's emulated layouts used 1.3 KB (session 21); the
+# kernel's big arrays live in shared memory; the whole suite runs in 32 KB. A launch that outgrows it fails with
+# rc 3 (a canary at each stack's bottom).
+# On huge pages the whole 32 KB x threads is resident: 64 MB for 4 blocks of 512 threads.
+STACK_BYTES = 32 << 10
 CACHE = Path(os.environ.get("MK_EMU_CACHE", Path(tempfile.gettempdir()) / "monoserve-emu"))
 
 
@@ -181,6 +185,12 @@ class EmuModel:
         rc = lib.mk_emu_launch(buffer_ptr(params), lay.num_sms, lay.threads, lay.smem_bytes, STACK_BYTES, max_switches)
         if rc == 2:
             raise RuntimeError("the emulated kernel trapped (__trap: on a GPU, a launch failure)")
+        if rc == 3:
+            raise RuntimeError(f"a thread of the emulated kernel outgrew its {STACK_BYTES} byte stack: raise "
+                               "replicas.monokernel_emu.STACK_BYTES")
+        if rc == 4:
+            raise MemoryError(f"could not map {lay.num_sms * lay.threads} fiber stacks of {STACK_BYTES} bytes "
+                              "for the emulated kernel")
         if rc:
             raise RuntimeError("the emulated kernel did not finish (a deadlock, or more than max_switches)")
 

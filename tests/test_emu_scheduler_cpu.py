@@ -45,3 +45,25 @@ def test_barriers_release_every_round_and_an_unreachable_barrier_is_a_deadlock(t
     t0 = time.monotonic()
     assert lib.launch(out.ctypes.data, 1, 10**12) == 1  # (a switch limit it would take hours to reach)
     assert time.monotonic() - t0 < 5
+
+
+DEEP_SOURCE = r"""
+static void deep(const void* p) {
+  const int bytes = *static_cast<const int*>(p);
+  if (threadIdx.x != 1) return;  // thread 0 has finished before thread 1 starts (no barrier): its stack is dead
+  volatile unsigned char buf[16384];
+  for (int i = 0; i < bytes; i++) buf[sizeof buf - 1 - i] = 1;  // from its top down, as the stack grows
+}
+extern "C" int launch(int bytes, unsigned long long stack_bytes) {
+  return mk_emu::run(deep, &bytes, 1, 2, 0, stack_bytes, 1000);
+}
+"""
+
+
+def test_a_thread_that_outgrows_its_stack_fails_the_launch_and_a_bad_stack_size_is_refused(tmp_path):
+    lib = build_emulated(tmp_path, "deep", DEEP_SOURCE)
+    lib.launch.restype = ctypes.c_int
+    lib.launch.argtypes = [ctypes.c_int, ctypes.c_ulonglong]
+    assert lib.launch(4096, 16384) == 0  # 4 KB of locals in a 16 KB stack
+    assert lib.launch(12288, 8192) == 3  # 12 KB in 8 KB: over its bottom, the canary there is gone
+    assert lib.launch(16, 8192 + 8) == 4 and lib.launch(16, 2048) == 4  # not a multiple of 64, or too small

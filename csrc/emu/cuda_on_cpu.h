@@ -18,8 +18,8 @@
 #include <string.h>
 #include <time.h>
 #include <stdio.h>
+#include <sys/mman.h>
 
-#include <memory>
 #include <vector>
 
 #define __device__
@@ -46,8 +46,30 @@ struct Fiber {
   bool done = false;
   const unsigned* wait = nullptr;  // at a barrier: the round word it waits to change from wait_round
   unsigned wait_round = 0;
-  std::unique_ptr<unsigned char[]> stack;  // uninitialised: pages are touched only as used
+  unsigned char* stack = nullptr;  // its `stack_bytes` in the launch's FiberStacks; the lowest 8 hold a canary
 };
+// Every fiber's stack in one mapping on huge pages where the kernel allows (madvise): the scheduler switches to
+// every fiber at every barrier, so the fibers' live stack tops are the launch's hot working set; separately
+// allocated 256 KB stacks put each top on a 4 KB page of its own. A 40-token tiny-model generation: 9.5 s with
+// those, 8.6 s packed on 4 KB pages, 7.3 s packed on huge pages (session 21; most of what is left is the switch's
+// first load from the next fiber's stack).
+struct FiberStacks {
+  static constexpr size_t kHuge = 2u << 20;
+  unsigned char* base = nullptr;
+  size_t bytes = 0;
+  FiberStacks(size_t n, size_t stack_bytes) : bytes(n * stack_bytes + kHuge) {
+    void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return;
+    base = static_cast<unsigned char*>(m);
+    unsigned char* aligned = (unsigned char*)(((uintptr_t)base + kHuge - 1) & ~(uintptr_t)(kHuge - 1));
+    madvise(aligned, n * stack_bytes, MADV_HUGEPAGE);  // (a hint: without it, plain pages)
+  }
+  ~FiberStacks() { if (base) munmap(base, bytes); }
+  unsigned char* stack(size_t i, size_t stack_bytes) const {
+    return (unsigned char*)(((uintptr_t)base + kHuge - 1) & ~(uintptr_t)(kHuge - 1)) + i * stack_bytes;
+  }
+};
+constexpr unsigned long long kStackCanary = 0x6d6b5f656d755f21ull;
 struct Warp {  // one warp's collective state
   unsigned arrived = 0, round = 0;
   unsigned long long vals[2][32][10];  // per round parity: each lane's deposited words
@@ -274,12 +296,16 @@ inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthrea
   }
   blocks = &bl;
   std::vector<Fiber> fibers(nblocks * nthreads);
+  if (stack_bytes % 64 || stack_bytes < 4096) return 4;
+  FiberStacks stacks(fibers.size(), stack_bytes);
+  if (!stacks.base) return 4;
   for (unsigned i = 0; i < fibers.size(); i++) {
     Fiber& f = fibers[i];
     f.bid = {i / nthreads, 0, 0};
     f.tid = {i % nthreads, 0, 0};
-    f.stack.reset(new unsigned char[stack_bytes]);
-    uintptr_t top = ((uintptr_t)(f.stack.get() + stack_bytes)) & ~(uintptr_t)15;
+    f.stack = stacks.stack(i, stack_bytes);
+    memcpy(f.stack, &kStackCanary, sizeof kStackCanary);
+    uintptr_t top = ((uintptr_t)(f.stack + stack_bytes)) & ~(uintptr_t)15;
     void** sp = (void**)top;
     *--sp = nullptr;                          // (alignment: the trampoline is entered with rsp = 8 mod 16)
     *--sp = (void*)&mk_emu_trampoline;        // `ret` of the first switch lands here
@@ -303,6 +329,9 @@ inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthrea
     if (!ran) return 1;  // every fiber left waits at a barrier that no running fiber can reach: deadlock
   }
   cur = nullptr;
+  for (auto& f : fibers) {
+    if (memcmp(f.stack, &kStackCanary, sizeof kStackCanary)) return 3;  // a fiber outgrew its stack
+  }
   return 0;
 }
 }  // namespace mk_emu
