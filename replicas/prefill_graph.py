@@ -136,7 +136,6 @@ class PrefillGraphs:
         self.inputs = cp.zeros(2 + GRAPH_ROWS[-1], cp.int32)  # [start, count, ids...], outside the pool
         self.graphs: dict[tuple, _Graph] = {}
         self.failed: set[tuple] = set()  # shapes whose capture failed: eager from then on
-        self._lock = self.arena.lock
         m = prefill.m
         self.max_context = int(m.k_cache.shape[2])
         self.heads = int(m.config.num_attention_heads)
@@ -152,7 +151,7 @@ class PrefillGraphs:
         key = (gemm_mode(), shape.rows, shape.keys)
         if key in self.failed:
             return None
-        with self._lock:
+        with self.arena.lock:
             g = self.graphs.get(key) or self._capture(key, shape)
             return None if g is None else self._replay(g, ids, start, shape.rows)
 
@@ -164,7 +163,7 @@ class PrefillGraphs:
         g = None if shape is None else self.graphs.get((mode, shape.rows, shape.keys))
         if g is None:
             return None
-        with self._lock:
+        with self.arena.lock:
             return self._replay(g, ids, start, shape.rows)
 
     def _replay(self, g: _Graph, ids, start: int, rows: int):
@@ -204,7 +203,7 @@ class PrefillGraphs:
         t, new = time.perf_counter(), 0
         for shape in graph_shapes(self.max_context, self.heads):
             key = (gemm_mode(), shape.rows, shape.keys)
-            with self._lock:
+            with self.arena.lock:
                 if key not in self.graphs and key not in self.failed:
                     g = self._capture(key, shape)
                     if g is not None:  # (a graph's first launch uploads it: done here, not beside a launch)

@@ -55,19 +55,18 @@ struct Fiber {
 // first load from the next fiber's stack).
 struct FiberStacks {
   static constexpr size_t kHuge = 2u << 20;
-  unsigned char* base = nullptr;
-  size_t bytes = 0;
-  FiberStacks(size_t n, size_t stack_bytes) : bytes(n * stack_bytes + kHuge) {
+  unsigned char* base = nullptr;  // the mapping (nullptr: it failed)
+  unsigned char* first = nullptr;  // fiber 0's stack: the first huge-page boundary in it
+  size_t bytes = 0, stack_bytes = 0;
+  FiberStacks(size_t n, size_t stack_bytes) : bytes(n * stack_bytes + kHuge), stack_bytes(stack_bytes) {
     void* m = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (m == MAP_FAILED) return;
     base = static_cast<unsigned char*>(m);
-    unsigned char* aligned = (unsigned char*)(((uintptr_t)base + kHuge - 1) & ~(uintptr_t)(kHuge - 1));
-    madvise(aligned, n * stack_bytes, MADV_HUGEPAGE);  // (a hint: without it, plain pages)
+    first = (unsigned char*)(((uintptr_t)base + kHuge - 1) & ~(uintptr_t)(kHuge - 1));
+    madvise(first, n * stack_bytes, MADV_HUGEPAGE);  // (a hint: without it, plain pages)
   }
   ~FiberStacks() { if (base) munmap(base, bytes); }
-  unsigned char* stack(size_t i, size_t stack_bytes) const {
-    return (unsigned char*)(((uintptr_t)base + kHuge - 1) & ~(uintptr_t)(kHuge - 1)) + i * stack_bytes;
-  }
+  unsigned char* stack(size_t i) const { return first + i * stack_bytes; }
 };
 constexpr unsigned long long kStackCanary = 0x6d6b5f656d755f21ull;
 struct Warp {  // one warp's collective state
@@ -303,7 +302,7 @@ inline int run(Kernel kernel, const void* arg, unsigned nblocks, unsigned nthrea
     Fiber& f = fibers[i];
     f.bid = {i / nthreads, 0, 0};
     f.tid = {i % nthreads, 0, 0};
-    f.stack = stacks.stack(i, stack_bytes);
+    f.stack = stacks.stack(i);
     memcpy(f.stack, &kStackCanary, sizeof kStackCanary);
     uintptr_t top = ((uintptr_t)(f.stack + stack_bytes)) & ~(uintptr_t)15;
     void** sp = (void**)top;
